@@ -1,0 +1,113 @@
+import type { FastifyReply, FastifyRequest } from 'fastify'
+import type { RequestState } from './context.js'
+import { answer, decision, type Engine } from './engine.js'
+import {
+  canonicalFingerprint, customFingerprint, finishRawHash, fingerprintsEqual, startRawHash
+} from './fingerprint.js'
+import { renewWhileRunning } from './lease.js'
+import type { ClaimRequest, Fingerprint, StoredResponse } from './store.js'
+import { withTimeout } from './timeout.js'
+import { localId } from './waiters.js'
+
+/** Polling of a store for an in-flight original owned by another process: 10 ms, doubling to 250 ms. */
+const FIRST_POLL_MS = 10
+const MAX_POLL_MS = 250
+
+/**
+ * preHandler: the body is parsed and validated and the caller authenticated, so this is the first
+ * point where the request is known to be one the handler would run. Resolves the scope, computes
+ * the fingerprint, and lets the store decide: execute (owner), replay, 409, 422.
+ */
+export async function claimKey (engine: Engine, request: FastifyRequest, reply: FastifyReply, state: RequestState): Promise<FastifyReply | undefined> {
+  const settings = state.settings
+  const scope = settings.scope === null ? '' : await settings.scope(request)
+  if (typeof scope !== 'string') {
+    throw new TypeError(`fastify-idempotency: the scope function must return a string; it returned ${scope === null ? 'null' : typeof scope}`)
+  }
+  state.scope = scope
+  const fingerprint = await fingerprintOf(request, state)
+  state.context = { key: state.key, scope, fingerprint, replayed: false }
+  request.idempotency = state.context
+
+  const claim: ClaimRequest = { scope, key: state.key, fingerprint, leaseMs: settings.lease, ttlMs: settings.ttl }
+  const deadline = settings.wait > 0 ? Date.now() + settings.wait : 0
+  let poll = FIRST_POLL_MS
+  for (;;) {
+    let result
+    try {
+      result = await withTimeout('claim', settings.storeTimeout, () => engine.store.claim(claim))
+    } catch (err) {
+      return storeFailed(engine, request, reply, state, err)
+    }
+
+    if (result.outcome === 'acquired') {
+      state.lease = result.lease
+      state.phase = 'owner'
+      if (result.takeover) state.log.warn(decision(state, 'taken_over'), 'idempotency: took over an abandoned in-progress key')
+      else state.log.debug(decision(state, 'executed'), 'idempotency: key claimed')
+      renewWhileRunning(engine, state)
+      return undefined
+    }
+    // Draft §2.7: a key reused with a different request is a client error whatever the state of the
+    // original, so 422 is checked before 409 (the client must correct the request either way).
+    if (!fingerprintsEqual(result.fingerprint, fingerprint)) {
+      state.log.info(decision(state, 'mismatch'), 'idempotency: key reused with a different request')
+      return answer(engine, state, reply, { kind: 'key-reused' })
+    }
+    if (result.outcome === 'completed') return replay(engine, reply, state, result.response)
+
+    const remaining = deadline - Date.now()
+    if (remaining <= 0) {
+      state.log.info(decision(state, 'conflict'), 'idempotency: original request still in progress')
+      return answer(engine, state, reply, { kind: 'request-in-progress', retryAfter: settings.retryAfter })
+    }
+    await engine.waiters.wait(localId(scope, state.key), Math.min(poll, remaining))
+    poll = Math.min(poll * 2, MAX_POLL_MS)
+  }
+}
+
+async function fingerprintOf (request: FastifyRequest, state: RequestState): Promise<Fingerprint> {
+  const mode = state.settings.fingerprint
+  switch (mode.mode) {
+    case 'canonical':
+      return canonicalFingerprint(request.method, request.url, request.body)
+    case 'raw':
+      return finishRawHash(state.rawHash ?? startRawHash(request.method, request.url))
+    case 'custom': {
+      const value = await mode.fn(request)
+      if (typeof value !== 'string' && !Buffer.isBuffer(value)) {
+        throw new TypeError(`fastify-idempotency: the fingerprint function must return a string or a Buffer; it returned ${typeof value}`)
+      }
+      return customFingerprint(value)
+    }
+  }
+}
+
+/** Answers from the record (draft §2.6): the original status, replayable headers and body bytes. */
+function replay (engine: Engine, reply: FastifyReply, state: RequestState, response: StoredResponse): FastifyReply {
+  if (response.body === null) {
+    state.log.info(decision(state, 'not_retained'), 'idempotency: completed key whose response was not retained')
+    return answer(engine, state, reply, { kind: 'response-not-retained', extensions: { originalStatus: response.statusCode } })
+  }
+  state.phase = 'replayed'
+  if (state.context !== null) state.context.replayed = true
+  state.log.debug(decision(state, 'replayed'), 'idempotency: replayed the recorded response')
+  reply.code(response.statusCode)
+  const headers = response.headers
+  for (const name in headers) reply.header(name, headers[name])
+  // Not in the draft; the de facto marker (Stripe, Increase; ietf-wg-httpapi/idempotency#46).
+  reply.header('idempotent-replayed', 'true')
+  // An original without a body had no Content-Type either; sending nothing keeps it that way.
+  return response.body.length === 0 && headers['content-type'] === undefined ? reply.send() : reply.send(response.body)
+}
+
+function storeFailed (engine: Engine, request: FastifyRequest, reply: FastifyReply, state: RequestState, err: unknown): FastifyReply | undefined {
+  if (state.settings.onStoreError === 'bypass') {
+    state.phase = 'unprotected'
+    request.idempotency = null
+    state.log.error({ ...decision(state, 'store_error'), err }, 'idempotency: store failed; running the handler WITHOUT idempotency protection (onStoreError: bypass)')
+    return undefined
+  }
+  state.log.error({ ...decision(state, 'store_error'), err }, 'idempotency: store failed; answering 503')
+  return answer(engine, state, reply, { kind: 'store-unavailable', retryAfter: state.settings.retryAfter })
+}

@@ -1,0 +1,30 @@
+import { inspect } from 'node:util'
+
+/** Thrown at registration (or when a route is added) for an option that cannot work. */
+export class InvalidOptionError extends TypeError {
+  readonly code = 'FST_IDEMPOTENCY_INVALID_OPTION'
+  readonly option: string
+  readonly received: unknown
+
+  constructor (option: string, expectation: string, received: unknown) {
+    super(`fastify-idempotency: ${option} must be ${expectation}; received ${describe(received)}`)
+    this.name = 'InvalidOptionError'
+    this.option = option
+    this.received = received
+  }
+}
+
+function describe (value: unknown): string {
+  const shown = inspect(value, { depth: 1, breakLength: Infinity, maxStringLength: 80 })
+  return value === null || value === undefined ? shown : `${shown} (${Array.isArray(value) ? 'array' : typeof value})`
+}
+
+/** Raised by a store operation that did not answer within `storeTimeout`. */
+export class StoreTimeoutError extends Error {
+  readonly code = 'FST_IDEMPOTENCY_STORE_TIMEOUT'
+
+  constructor (operation: string, ms: number) {
+    super(`fastify-idempotency: store.${operation}() did not answer within ${ms} ms`)
+    this.name = 'StoreTimeoutError'
+  }
+}

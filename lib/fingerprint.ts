@@ -1,0 +1,104 @@
+import { createHash, type Hash } from 'node:crypto'
+import { Transform, type TransformCallback } from 'node:stream'
+import type { FastifyRequest } from 'fastify'
+import type { Fingerprint } from './store.js'
+
+/**
+ * A user-supplied fingerprint: whatever it returns is hashed (SHA-256) and stored with algorithm
+ * `custom-v1`. It decides alone what makes two requests "the same" (draft §2.4 lists checksums of
+ * selected elements among the options), so it usually covers the method and target too.
+ */
+export type FingerprintFunction = (request: FastifyRequest) => string | Buffer | Promise<string | Buffer>
+
+export type FingerprintOption = 'canonical' | 'raw' | FingerprintFunction
+
+/*
+ * Algorithms are versioned: a record keeps the name of the algorithm that produced its fingerprint,
+ * and a fingerprint made by another algorithm never compares equal (the answer is 422, never a
+ * second execution). Bump the version whenever the bytes fed to the hash change.
+ *
+ * canonical-v1: SHA-256 over `METHOD \n target \n body`, where target is the request line's path and
+ *   query as received and body is the parsed body in a canonical form close to RFC 8785 (JCS):
+ *   object members sorted by UTF-16 code units, ECMAScript number serialisation, JSON string
+ *   escaping; so `{"a":1,"b":2}` and `{ "b": 2, "a": 1 }` are one request. Bodies that are not
+ *   JSON-like (a Buffer from an octet-stream parser, a string from text/plain) are tagged so they
+ *   can never collide with a JSON value.
+ * raw-v1: SHA-256 over `METHOD \n target \n` followed by the request body bytes as received
+ *   (hashed while they stream in, before parsing): any byte of difference is a different request.
+ * custom-v1: SHA-256 over the bytes the user's function returns.
+ */
+export const CANONICAL = 'canonical-v1'
+export const RAW = 'raw-v1'
+export const CUSTOM = 'custom-v1'
+
+export function canonicalFingerprint (method: string, url: string, body: unknown): Fingerprint {
+  const hash = createHash('sha256').update(method).update('\n').update(url).update('\n')
+  if (body === undefined) hash.update('none')
+  else if (Buffer.isBuffer(body)) hash.update('bytes:').update(body)
+  else if (typeof body === 'string') hash.update('text:').update(body)
+  else hash.update('json:').update(canonicalJson(body))
+  return { algorithm: CANONICAL, digest: hash.digest() }
+}
+
+export function customFingerprint (value: string | Buffer): Fingerprint {
+  return { algorithm: CUSTOM, digest: createHash('sha256').update(value).digest() }
+}
+
+export function fingerprintsEqual (a: Fingerprint, b: Fingerprint): boolean {
+  return a.algorithm === b.algorithm && a.digest.equals(b.digest)
+}
+
+/** Canonical JSON text of a parsed body (see canonical-v1 above). */
+export function canonicalJson (value: unknown): string {
+  if (value === null || typeof value !== 'object') {
+    // JSON.stringify gives ECMAScript number and string serialisation; undefined, functions and
+    // symbols cannot come out of a body parser, and map to null like JSON array members do.
+    return JSON.stringify(value) ?? 'null'
+  }
+  if (Array.isArray(value)) {
+    let out = '['
+    for (let i = 0; i < value.length; i++) out += (i === 0 ? '' : ',') + canonicalJson(value[i])
+    return out + ']'
+  }
+  if (Buffer.isBuffer(value)) return JSON.stringify(value.toString('base64'))
+  const withToJSON = value as { toJSON?: () => unknown }
+  if (typeof withToJSON.toJSON === 'function') return canonicalJson(withToJSON.toJSON())
+  const record = value as Record<string, unknown>
+  const names = Object.keys(record).sort()
+  let out = '{'
+  let first = true
+  for (const name of names) {
+    const member = record[name]
+    if (member === undefined) continue
+    out += (first ? '' : ',') + JSON.stringify(name) + ':' + canonicalJson(member)
+    first = false
+  }
+  return out + '}'
+}
+
+/** Starts a raw-v1 hash; the body bytes are added by {@link hashingStream}. */
+export function startRawHash (method: string, url: string): Hash {
+  return createHash('sha256').update(method).update('\n').update(url).update('\n')
+}
+
+export function finishRawHash (hash: Hash): Fingerprint {
+  return { algorithm: RAW, digest: hash.digest() }
+}
+
+/**
+ * A pass-through that feeds every body chunk to `hash` as it streams to the body parser, so raw
+ * mode neither buffers the body twice nor needs a second read of it.
+ */
+export function hashingStream (payload: NodeJS.ReadableStream & { receivedEncodedLength?: number }, hash: Hash): Transform {
+  let received = 0
+  const tap = new Transform({
+    transform (chunk: Buffer, _encoding: BufferEncoding, callback: TransformCallback) {
+      hash.update(chunk)
+      received += chunk.length
+      ;(tap as Transform & { receivedEncodedLength: number }).receivedEncodedLength = received
+      callback(null, chunk)
+    }
+  })
+  payload.on('error', (err: Error) => tap.destroy(err))
+  return payload.pipe(tap)
+}

@@ -1,0 +1,35 @@
+import fp from 'fastify-plugin'
+import { idempotencyPlugin } from './plugin.js'
+import type { IdempotencyOptions } from './options.js'
+import './types.js'
+
+/**
+ * Gives routes the Idempotency-Key contract (draft-ietf-httpapi-idempotency-key-header): the first
+ * request with a key runs the handler once and its response is recorded; a retry with the same key
+ * gets that response replayed (`Idempotent-Replayed: true`), a concurrent one 409, a different
+ * request under the same key 422.
+ *
+ * @example
+ * import Fastify from 'fastify'
+ * import idempotency from 'fastify-idempotency'
+ *
+ * const app = Fastify()
+ * await app.register(idempotency, { scope: (request) => request.headers['x-account-id'] as string })
+ * app.post('/payments', async () => ({ id: 'pay_1', status: 'succeeded' }))
+ */
+const fastifyIdempotency = fp<IdempotencyOptions>(idempotencyPlugin, { fastify: '5.x', name: 'fastify-idempotency' })
+
+export default fastifyIdempotency
+export { fastifyIdempotency }
+export { memoryStore, MemoryStoreFullError, type MemoryStoreOptions } from '../drivers/memory.js'
+export { InvalidOptionError, StoreTimeoutError } from './errors.js'
+export { DEFAULT_REPLAY_HEADERS } from './headers.js'
+export type { IdempotencyContext } from './context.js'
+export type { FingerprintFunction, FingerprintOption } from './fingerprint.js'
+export type { KeyFormat } from './key.js'
+export type { IdempotencyOptions, RecordRule, RouteIdempotencyOptions, ScopeFunction } from './options.js'
+export type { ProblemKind } from './problems.js'
+export type {
+  ClaimAcquired, ClaimCompleted, ClaimInProgress, ClaimRequest, ClaimResult, Fingerprint,
+  IdempotencyStore, Lease, RecordId, StoredRecord, StoredResponse
+} from './store.js'

@@ -1,0 +1,239 @@
+import type { FastifyRequest } from 'fastify'
+import { InvalidOptionError } from './errors.js'
+import type { FingerprintFunction, FingerprintOption } from './fingerprint.js'
+import { DEFAULT_REPLAY_HEADERS, NEVER_REPLAYED } from './headers.js'
+import type { KeyFormat } from './key.js'
+import type { IdempotencyStore } from './store.js'
+
+export type ScopeFunction = (request: FastifyRequest) => string | Promise<string>
+export type RecordRule = (statusCode: number) => boolean
+
+/** Options that make sense per route, in `config: { idempotency: { ... } }` as well as at registration. */
+export interface RouteIdempotencyOptions {
+  /**
+   * The principal that owns keys (tenant, account): the same key from two scopes is two operations.
+   * @defaultValue one global scope (a warning is logged once at startup)
+   */
+  scope?: ScopeFunction
+  /** Answer 400 to a protected request without the header, instead of running it unprotected. @defaultValue false */
+  required?: boolean
+  /** How long a record is kept after it was completed, in ms (the published expiry policy, draft §2.3). @defaultValue 86_400_000 (24 h) */
+  ttl?: number
+  /** How long an owner holds an in-progress key before another attempt may take it over, in ms. Renewed while the handler runs. @defaultValue 30_000 */
+  lease?: number
+  /** How long a duplicate waits for an in-flight original before it gets 409, in ms. @defaultValue 0 */
+  wait?: number
+  /** @defaultValue 255 */
+  maxKeyLength?: number
+  /** `'lenient'` also accepts a bare (unquoted) key; `'strict'` only the draft's sf-string. @defaultValue 'lenient' */
+  keyFormat?: KeyFormat
+  /** @defaultValue 'canonical' */
+  fingerprint?: FingerprintOption
+  /** Which handler responses are recorded; the others release the key. @defaultValue every status below 500 except 429 */
+  record?: RecordRule
+  /** Bodies larger than this are not retained; a retry then gets a 410 problem, never a re-execution. @defaultValue 1_048_576 */
+  maxResponseBytes?: number
+  /** Response headers recorded and replayed (case-insensitive). @defaultValue see DEFAULT_REPLAY_HEADERS */
+  replayHeaders?: readonly string[]
+  /** What a store failure does: `'fail'` answers 503; `'bypass'` runs the handler unprotected and logs it. @defaultValue 'fail' */
+  onStoreError?: 'fail' | 'bypass'
+  /** A store call slower than this counts as a store failure, in ms. @defaultValue 5_000 */
+  storeTimeout?: number
+  /** Seconds in the `Retry-After` of 409 and 503 answers. @defaultValue 1 */
+  retryAfter?: number
+}
+
+export interface IdempotencyOptions extends RouteIdempotencyOptions {
+  /** @defaultValue memoryStore() */
+  store?: IdempotencyStore
+  /** Methods protected without a route opting in. @defaultValue ['POST', 'PATCH'] */
+  methods?: readonly string[]
+  /** Prefix of the problem `type` URIs. @defaultValue 'tag:fastify-idempotency,2026:' */
+  problemTypeBase?: string
+  /** Documentation linked from every problem with `Link: rel="describedby"`. @defaultValue none */
+  docsUrl?: string
+}
+
+export type ResolvedFingerprint =
+  | { readonly mode: 'canonical' }
+  | { readonly mode: 'raw' }
+  | { readonly mode: 'custom', readonly fn: FingerprintFunction }
+
+/** Everything a protected route needs per request, decided once. */
+export interface RouteSettings {
+  readonly scope: ScopeFunction | null
+  readonly required: boolean
+  readonly ttl: number
+  readonly lease: number
+  readonly wait: number
+  readonly maxKeyLength: number
+  readonly keyFormat: KeyFormat
+  readonly fingerprint: ResolvedFingerprint
+  readonly record: RecordRule
+  readonly maxResponseBytes: number
+  readonly replayHeaders: ReadonlySet<string>
+  readonly onStoreError: 'fail' | 'bypass'
+  readonly storeTimeout: number
+  readonly retryAfter: number
+}
+
+export interface GlobalSettings {
+  readonly methods: ReadonlySet<string>
+  readonly problemTypeBase: string
+  readonly docsUrl: string | null
+  readonly route: RouteSettings
+}
+
+const ROUTE_OPTION_NAMES = [
+  'scope', 'required', 'ttl', 'lease', 'wait', 'maxKeyLength', 'keyFormat', 'fingerprint', 'record',
+  'maxResponseBytes', 'replayHeaders', 'onStoreError', 'storeTimeout', 'retryAfter'
+] as const
+const GLOBAL_OPTION_NAMES = new Set<string>([...ROUTE_OPTION_NAMES, 'store', 'methods', 'problemTypeBase', 'docsUrl'])
+const ROUTE_ONLY = new Set<string>(ROUTE_OPTION_NAMES)
+
+const HTTP_METHODS = new Set(['DELETE', 'GET', 'HEAD', 'PATCH', 'POST', 'PUT', 'OPTIONS', 'PROPFIND', 'PROPPATCH',
+  'MKCOL', 'COPY', 'MOVE', 'LOCK', 'UNLOCK', 'TRACE', 'SEARCH', 'REPORT', 'MKCALENDAR', 'QUERY'])
+const HEADER_NAME = /^[!#$%&'*+.^_`|~0-9a-zA-Z-]+$/
+const ABSOLUTE_URI = /^[a-zA-Z][a-zA-Z0-9+.-]*:\S+$/
+
+const MAX_INTERVAL = 2_147_483_647 // setTimeout's ceiling; longer delays fire at once
+
+const DEFAULT_ROUTE: RouteSettings = Object.freeze({
+  scope: null,
+  required: false,
+  ttl: 24 * 60 * 60 * 1000,
+  lease: 30_000,
+  wait: 0,
+  maxKeyLength: 255,
+  keyFormat: 'lenient',
+  fingerprint: Object.freeze({ mode: 'canonical' }),
+  record: (statusCode: number) => statusCode < 500 && statusCode !== 429,
+  maxResponseBytes: 1024 * 1024,
+  replayHeaders: new Set(DEFAULT_REPLAY_HEADERS),
+  onStoreError: 'fail',
+  storeTimeout: 5_000,
+  retryAfter: 1
+})
+
+export function resolveGlobalOptions (options: IdempotencyOptions): GlobalSettings {
+  checkObject('options', options)
+  for (const name of Object.keys(options)) {
+    if (!GLOBAL_OPTION_NAMES.has(name)) throw new InvalidOptionError(`option "${name}"`, `one of ${[...GLOBAL_OPTION_NAMES].join(', ')}`, name)
+  }
+  const methods = options.methods === undefined
+    ? new Set(['POST', 'PATCH'])
+    : resolveMethods(options.methods)
+  const problemTypeBase = options.problemTypeBase ?? 'tag:fastify-idempotency,2026:'
+  if (typeof problemTypeBase !== 'string' || !ABSOLUTE_URI.test(problemTypeBase)) {
+    throw new InvalidOptionError('option "problemTypeBase"', 'an absolute URI (RFC 9457 §3.1.1)', problemTypeBase)
+  }
+  let docsUrl: string | null = null
+  if (options.docsUrl !== undefined) {
+    if (typeof options.docsUrl !== 'string' || !/^https?:\/\/\S+$/.test(options.docsUrl) || options.docsUrl.includes('>')) {
+      throw new InvalidOptionError('option "docsUrl"', 'an http(s) URL', options.docsUrl)
+    }
+    docsUrl = options.docsUrl
+  }
+  return Object.freeze({
+    methods,
+    problemTypeBase,
+    docsUrl,
+    route: mergeRouteOptions(DEFAULT_ROUTE, options, 'option')
+  })
+}
+
+/** An explicit route config: `false` means unprotected (null); `true` or an object protect every method of the route. */
+export function resolveRouteConfig (global: GlobalSettings, config: unknown, where: string): RouteSettings | null {
+  if (config === false) return null
+  if (config === true) return global.route
+  checkObject(`${where} config.idempotency`, config)
+  for (const name of Object.keys(config)) {
+    if (!ROUTE_ONLY.has(name)) {
+      throw new InvalidOptionError(`${where} config.idempotency.${name}`, `one of ${ROUTE_OPTION_NAMES.join(', ')} (or true / false)`, name)
+    }
+  }
+  return mergeRouteOptions(global.route, config as RouteIdempotencyOptions, `${where} config.idempotency`)
+}
+
+function mergeRouteOptions (base: RouteSettings, options: RouteIdempotencyOptions, prefix: string): RouteSettings {
+  const name = (option: string): string => prefix === 'option' ? `option "${option}"` : `${prefix}.${option}`
+  const settings: RouteSettings = {
+    scope: options.scope === undefined ? base.scope : fn(name('scope'), options.scope),
+    required: options.required === undefined ? base.required : bool(name('required'), options.required),
+    ttl: options.ttl === undefined ? base.ttl : int(name('ttl'), options.ttl, 1, 'milliseconds'),
+    lease: options.lease === undefined ? base.lease : int(name('lease'), options.lease, 1, 'milliseconds'),
+    wait: options.wait === undefined ? base.wait : int(name('wait'), options.wait, 0, 'milliseconds'),
+    maxKeyLength: options.maxKeyLength === undefined ? base.maxKeyLength : int(name('maxKeyLength'), options.maxKeyLength, 1, 'characters', 8192),
+    keyFormat: options.keyFormat === undefined ? base.keyFormat : oneOf(name('keyFormat'), options.keyFormat, ['lenient', 'strict']),
+    fingerprint: options.fingerprint === undefined ? base.fingerprint : resolveFingerprint(name('fingerprint'), options.fingerprint),
+    record: options.record === undefined ? base.record : fn(name('record'), options.record),
+    maxResponseBytes: options.maxResponseBytes === undefined ? base.maxResponseBytes : int(name('maxResponseBytes'), options.maxResponseBytes, 0, 'bytes', Number.MAX_SAFE_INTEGER),
+    replayHeaders: options.replayHeaders === undefined ? base.replayHeaders : resolveReplayHeaders(name('replayHeaders'), options.replayHeaders),
+    onStoreError: options.onStoreError === undefined ? base.onStoreError : oneOf(name('onStoreError'), options.onStoreError, ['fail', 'bypass']),
+    storeTimeout: options.storeTimeout === undefined ? base.storeTimeout : int(name('storeTimeout'), options.storeTimeout, 1, 'milliseconds'),
+    retryAfter: options.retryAfter === undefined ? base.retryAfter : int(name('retryAfter'), options.retryAfter, 0, 'seconds', 86_400)
+  }
+  if (settings.lease > settings.ttl) {
+    throw new InvalidOptionError(name('lease'), `at most the ttl (${settings.ttl} ms): a record must outlive its owner's lease`, settings.lease)
+  }
+  return Object.freeze(settings)
+}
+
+function checkObject (name: string, value: unknown): asserts value is object {
+  if (value === null || typeof value !== 'object' || Array.isArray(value)) throw new InvalidOptionError(name, 'an object', value)
+}
+
+function fn<T> (name: string, value: T): T {
+  if (typeof value !== 'function') throw new InvalidOptionError(name, 'a function', value)
+  return value
+}
+
+function bool (name: string, value: unknown): boolean {
+  if (typeof value !== 'boolean') throw new InvalidOptionError(name, 'true or false', value)
+  return value
+}
+
+function int (name: string, value: unknown, min: number, unit: string, max = MAX_INTERVAL): number {
+  if (typeof value !== 'number' || !Number.isInteger(value) || value < min || value > max) {
+    throw new InvalidOptionError(name, `an integer number of ${unit} from ${min} to ${max}`, value)
+  }
+  return value
+}
+
+function oneOf<T extends string> (name: string, value: unknown, allowed: readonly T[]): T {
+  if (!allowed.includes(value as T)) throw new InvalidOptionError(name, `one of ${allowed.map((a) => `'${a}'`).join(', ')}`, value)
+  return value as T
+}
+
+function resolveFingerprint (name: string, value: unknown): ResolvedFingerprint {
+  if (value === 'canonical') return Object.freeze({ mode: 'canonical' })
+  if (value === 'raw') return Object.freeze({ mode: 'raw' })
+  if (typeof value === 'function') return Object.freeze({ mode: 'custom', fn: value as FingerprintFunction })
+  throw new InvalidOptionError(name, "'canonical', 'raw' or a function", value)
+}
+
+function resolveMethods (value: unknown): ReadonlySet<string> {
+  if (!Array.isArray(value) || value.length === 0) throw new InvalidOptionError('option "methods"', 'a non-empty array of HTTP methods', value)
+  const methods = new Set<string>()
+  for (const method of value) {
+    if (typeof method !== 'string' || !HTTP_METHODS.has(method.toUpperCase())) {
+      throw new InvalidOptionError('option "methods"', `an array of HTTP methods (${[...HTTP_METHODS].join(', ')})`, method)
+    }
+    methods.add(method.toUpperCase())
+  }
+  return methods
+}
+
+function resolveReplayHeaders (name: string, value: unknown): ReadonlySet<string> {
+  if (!Array.isArray(value)) throw new InvalidOptionError(name, 'an array of header names', value)
+  const headers = new Set<string>()
+  for (const header of value) {
+    if (typeof header !== 'string' || !HEADER_NAME.test(header)) throw new InvalidOptionError(name, 'an array of header names', header)
+    const lower = header.toLowerCase()
+    if (NEVER_REPLAYED.has(lower)) {
+      throw new InvalidOptionError(name, `free of headers that are never replayed (${[...NEVER_REPLAYED].join(', ')})`, header)
+    }
+    headers.add(lower)
+  }
+  return headers
+}

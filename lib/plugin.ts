@@ -1,0 +1,85 @@
+import type { FastifyPluginCallback, RouteOptions } from 'fastify'
+import { memoryStore } from '../drivers/memory.js'
+import { kState } from './context.js'
+import type { Engine } from './engine.js'
+import { InvalidOptionError } from './errors.js'
+import { createRecordHook, routeHooks } from './hooks.js'
+import { resolveGlobalOptions, resolveRouteConfig, type GlobalSettings, type IdempotencyOptions, type RouteSettings } from './options.js'
+import { buildProblemBodies } from './problems.js'
+import type { IdempotencyStore } from './store.js'
+import { Waiters } from './waiters.js'
+
+const STORE_METHODS = ['claim', 'complete', 'release', 'renew', 'get', 'purgeExpired', 'close'] as const
+
+export const idempotencyPlugin: FastifyPluginCallback<IdempotencyOptions> = function fastifyIdempotency (fastify, options, done) {
+  const global = resolveGlobalOptions(options)
+  const ownsStore = options.store === undefined
+  const store = options.store ?? memoryStore()
+  checkStore(store)
+
+  const problemOptions = { typeBase: global.problemTypeBase, docsUrl: global.docsUrl }
+  const engine: Engine = {
+    store,
+    waiters: new Waiters(),
+    problems: buildProblemBodies(problemOptions),
+    problemOptions
+  }
+
+  if (global.route.scope === null) {
+    // Draft §5: a global key namespace lets one client replay or block another's operation.
+    fastify.log.warn('fastify-idempotency: no `scope` option, so Idempotency-Keys are not scoped to a principal: ' +
+      'every client shares one key space. Pass scope: (request) => <tenant or account id>.')
+  }
+
+  fastify.decorateRequest('idempotency', null)
+  fastify.decorateRequest(kState, null)
+  fastify.addHook('onRoute', (route) => protectRoute(engine, global, route))
+  fastify.addHook('onSend', createRecordHook(engine))
+  if (ownsStore) fastify.addHook('onClose', async () => { await store.close() })
+  done()
+}
+
+/** Decides, once per route, whether and how it is protected, and attaches the hooks only to it. */
+function protectRoute (engine: Engine, global: GlobalSettings, route: RouteOptions): void {
+  const declared = (Array.isArray(route.method) ? route.method : [route.method]).map((m) => m.toUpperCase())
+  const config: unknown = (route.config as { idempotency?: unknown } | undefined)?.idempotency
+  let settings: RouteSettings | null
+  let methods: ReadonlySet<string> | null = null
+  if (config === undefined) {
+    const covered = declared.filter((method) => global.methods.has(method))
+    if (covered.length === 0) return
+    settings = global.route
+    if (covered.length < declared.length) methods = new Set(covered)
+  } else {
+    settings = resolveRouteConfig(global, config, `route ${declared.join(',')} ${route.url}`)
+    if (settings === null) return
+  }
+
+  const hooks = routeHooks(engine, settings, methods)
+  appendHook(route, 'onRequest', hooks.onRequest)
+  if (hooks.preParsing !== null) appendHook(route, 'preParsing', hooks.preParsing)
+  appendHook(route, 'preHandler', hooks.preHandler)
+  appendHook(route, 'onError', hooks.onError)
+  appendHook(route, 'onResponse', hooks.onResponse)
+  appendHook(route, 'onRequestAbort', hooks.onRequestAbort)
+  appendHook(route, 'onTimeout', hooks.onTimeout)
+}
+
+type HookName = 'onRequest' | 'preParsing' | 'preHandler' | 'onError' | 'onResponse' | 'onRequestAbort' | 'onTimeout'
+
+/** Route-level hooks run after the instance's (auth, rate limits), so those answer first and are never recorded. */
+function appendHook (route: RouteOptions, name: HookName, hook: unknown): void {
+  const existing = route[name] as unknown
+  const list: unknown[] = existing === undefined || existing === null ? [] : Array.isArray(existing) ? [...existing] : [existing]
+  list.push(hook)
+  ;(route as unknown as Record<HookName, unknown>)[name] = list
+}
+
+function checkStore (store: IdempotencyStore): void {
+  const missing = typeof store === 'object' && store !== null
+    ? STORE_METHODS.filter((method) => typeof (store as unknown as Record<string, unknown>)[method] !== 'function')
+    : [...STORE_METHODS]
+  if (missing.length > 0) {
+    throw new InvalidOptionError('option "store"', `an IdempotencyStore (missing ${missing.join(', ')})`, store)
+  }
+}

@@ -1,0 +1,124 @@
+/**
+ * The storage-driver contract. The plugin talks to this interface only, never to a driver directly,
+ * so a third party can write a driver by implementing it (and running `test/drivers/conformance.ts`).
+ *
+ * Every method is scoped: a record is identified by (scope, key) and nothing a method does for one
+ * scope can be observed from another (draft-ietf-httpapi-idempotency-key-header §5, composite key).
+ * Times are durations in milliseconds; a driver measures them on its own clock (the database's
+ * clock for a shared store, so instances with skewed clocks agree).
+ */
+
+/** Identifies one record: the principal that owns the key, and the key itself. */
+export interface RecordId {
+  readonly scope: string
+  readonly key: string
+}
+
+/**
+ * What a request looked like, so a reused key with a different request can be told apart (draft §2.4).
+ * `algorithm` names the function and its version (`canonical-v1`, `raw-v1`, `custom-v1`): two
+ * fingerprints are equal only when both the algorithm and the digest are equal.
+ */
+export interface Fingerprint {
+  readonly algorithm: string
+  readonly digest: Buffer
+}
+
+/** A handler's response as recorded for replay. */
+export interface StoredResponse {
+  readonly statusCode: number
+  /** Replayable headers only, names in lower case. */
+  readonly headers: Readonly<Record<string, string | string[]>>
+  /**
+   * The body bytes, or `null` when the body was larger than `maxResponseBytes`: the outcome is
+   * recorded (the operation must not run again) but its representation was not retained.
+   */
+  readonly body: Buffer | null
+}
+
+/** Proof of ownership of an in-progress record. Drivers may return a subtype carrying their own state. */
+export interface Lease extends RecordId {
+  /** Random token; completion, release and renewal are fenced by it. */
+  readonly token: string
+}
+
+export interface ClaimRequest extends RecordId {
+  readonly fingerprint: Fingerprint
+  /** How long the new owner holds the record before another attempt may take it over. */
+  readonly leaseMs: number
+  /** How long a record is retained after it was created or completed. */
+  readonly ttlMs: number
+}
+
+/** The store created the record, or took over an abandoned one: the caller now executes. */
+export interface ClaimAcquired {
+  readonly outcome: 'acquired'
+  readonly lease: Lease
+  /** True when an in-progress record whose lease had expired was taken over. */
+  readonly takeover: boolean
+}
+
+/** Another attempt owns the record and is (or was, until its lease expires) executing. */
+export interface ClaimInProgress {
+  readonly outcome: 'in_progress'
+  readonly fingerprint: Fingerprint
+  /** Milliseconds until the owner's lease expires (0 when unknown). */
+  readonly leaseRemainingMs: number
+}
+
+/** The operation completed and its response was recorded. */
+export interface ClaimCompleted {
+  readonly outcome: 'completed'
+  readonly fingerprint: Fingerprint
+  readonly response: StoredResponse
+}
+
+export type ClaimResult = ClaimAcquired | ClaimInProgress | ClaimCompleted
+
+/** A record as `get` returns it. */
+export type StoredRecord =
+  | { readonly state: 'in_progress', readonly fingerprint: Fingerprint, readonly leaseRemainingMs: number }
+  | { readonly state: 'completed', readonly fingerprint: Fingerprint, readonly response: StoredResponse }
+
+export interface IdempotencyStore {
+  /**
+   * Decides who executes. Atomically, with respect to every other call on the same (scope, key), from
+   * any process sharing the store:
+   * - no record, or only an expired one (older than its ttl): create an in-progress record owned by
+   *   a fresh token and return `acquired`;
+   * - an in-progress record whose lease has expired and whose fingerprint equals the request's:
+   *   hand it to a fresh token (the old token stops working) and return `acquired` with `takeover`;
+   * - anything else: return the record's state and fingerprint, unchanged.
+   * At most one concurrent caller may get `acquired` for a record. The caller compares fingerprints.
+   */
+  claim (request: ClaimRequest): Promise<ClaimResult>
+
+  /**
+   * Records the response and marks the record completed, retained for `ttlMs` from now. Atomic and
+   * fenced: it succeeds only while `lease.token` still owns an in-progress record, and returns
+   * false (changing nothing) otherwise, so an owner whose lease was taken over cannot overwrite
+   * the new owner's record.
+   */
+  complete (lease: Lease, response: StoredResponse, ttlMs: number): Promise<boolean>
+
+  /**
+   * Deletes the in-progress record so the next attempt executes again. Fenced like `complete`;
+   * returns false when the token no longer owns it.
+   */
+  release (lease: Lease): Promise<boolean>
+
+  /** Extends the lease to `leaseMs` from now. Fenced like `complete`; false means ownership was lost. */
+  renew (lease: Lease, leaseMs: number): Promise<boolean>
+
+  /** Reads a live record (never an expired one), or null. Never changes anything. */
+  get (id: RecordId): Promise<StoredRecord | null>
+
+  /**
+   * Deletes up to `limit` expired records and returns how many went. It must not block concurrent
+   * claims for longer than a single short statement.
+   */
+  purgeExpired (limit?: number): Promise<number>
+
+  /** Stops the driver's own timers and releases what the driver opened (never a client the user passed in). */
+  close (): Promise<void>
+}

@@ -1,0 +1,17 @@
+import type { IdempotencyContext } from './context.js'
+import type { RouteIdempotencyOptions } from './options.js'
+
+declare module 'fastify' {
+  interface FastifyContextConfig {
+    /**
+     * `false` opts the route out; `true` opts it in (also for a method outside `methods`, such as
+     * PUT or DELETE); an object opts it in with per-route options. Validated when the route is added.
+     */
+    idempotency?: boolean | RouteIdempotencyOptions
+  }
+
+  interface FastifyRequest {
+    /** The key, scope and fingerprint of a protected request; null on requests the plugin does not protect. */
+    idempotency: IdempotencyContext | null
+  }
+}

@@ -1,0 +1,80 @@
+import { createHash } from 'node:crypto'
+import t from 'tap'
+import { memoryStore, MemoryStoreFullError } from '../../lib/index.js'
+import type { Fingerprint } from '../../lib/store.js'
+import { manualClock } from '../helpers/app.js'
+import { runConformance } from './conformance.js'
+
+const fp: Fingerprint = { algorithm: 'canonical-v1', digest: createHash('sha256').update('x').digest() }
+
+t.test('conformance', async (t) => {
+  runConformance(t, async () => memoryStore({ purgeInterval: 0 }))
+})
+
+t.test('expiry is honoured on every read and claim, to the millisecond', async (t) => {
+  const clock = manualClock()
+  const store = memoryStore({ now: clock.now, purgeInterval: 0 })
+  t.teardown(() => store.close())
+  const claim = await store.claim({ scope: 's', key: 'k', fingerprint: fp, leaseMs: 100, ttlMs: 1000 })
+  if (claim.outcome !== 'acquired') return t.fail('not acquired')
+  await store.complete(claim.lease, { statusCode: 200, headers: {}, body: Buffer.from('ok') }, 1000)
+  clock.advance(999)
+  t.equal((await store.get({ scope: 's', key: 'k' }))?.state, 'completed')
+  t.equal((await store.claim({ scope: 's', key: 'k', fingerprint: fp, leaseMs: 100, ttlMs: 1000 })).outcome, 'completed')
+  clock.advance(1)
+  t.equal(await store.get({ scope: 's', key: 'k' }), null)
+  t.equal((await store.claim({ scope: 's', key: 'k', fingerprint: fp, leaseMs: 100, ttlMs: 1000 })).outcome, 'acquired')
+})
+
+t.test('a full store refuses new claims with a clear error and never drops live records', async (t) => {
+  const clock = manualClock()
+  const store = memoryStore({ now: clock.now, purgeInterval: 0, maxEntries: 3 })
+  t.teardown(() => store.close())
+  for (let i = 0; i < 3; i++) await store.claim({ scope: 's', key: `k${i}`, fingerprint: fp, leaseMs: 100, ttlMs: 1000 })
+  await t.rejects(store.claim({ scope: 's', key: 'k3', fingerprint: fp, leaseMs: 100, ttlMs: 1000 }), MemoryStoreFullError)
+  for (let i = 0; i < 3; i++) t.equal((await store.get({ scope: 's', key: `k${i}` }))?.state, 'in_progress', `k${i} kept`)
+  t.equal((await store.claim({ scope: 's', key: 'k0', fingerprint: fp, leaseMs: 100, ttlMs: 1000 })).outcome, 'in_progress', 'existing keys still answer')
+  clock.advance(2000)
+  t.equal((await store.claim({ scope: 's', key: 'k3', fingerprint: fp, leaseMs: 100, ttlMs: 1000 })).outcome, 'acquired', 'room is made from expired records')
+})
+
+t.test('the byte bound counts recorded bodies', async (t) => {
+  const store = memoryStore({ purgeInterval: 0, maxBytes: 4096 })
+  t.teardown(() => store.close())
+  const claim = await store.claim({ scope: 's', key: 'big', fingerprint: fp, leaseMs: 100, ttlMs: 60_000 })
+  if (claim.outcome !== 'acquired') return t.fail('not acquired')
+  t.ok(await store.complete(claim.lease, { statusCode: 200, headers: {}, body: Buffer.alloc(5000) }, 60_000), 'a completion is never refused: the effect happened')
+  await t.rejects(store.claim({ scope: 's', key: 'next', fingerprint: fp, leaseMs: 100, ttlMs: 60_000 }), MemoryStoreFullError)
+})
+
+t.test('the purge timer sweeps expired records and close clears it', async (t) => {
+  const clock = manualClock()
+  const store = memoryStore({ now: clock.now, purgeInterval: 10 })
+  for (let i = 0; i < 25; i++) await store.claim({ scope: 's', key: `k${i}`, fingerprint: fp, leaseMs: 10, ttlMs: 50 })
+  clock.advance(100)
+  await new Promise((resolve) => setTimeout(resolve, 50))
+  t.equal(await store.purgeExpired(), 0, 'the timer already purged everything')
+  await store.close()
+  t.equal(await store.purgeExpired(), 0)
+})
+
+t.test('options are validated', async (t) => {
+  t.throws(() => memoryStore({ maxEntries: 0 }), /maxEntries must be a positive integer; received 0/)
+  t.throws(() => memoryStore({ maxBytes: 1.5 }), /maxBytes/)
+  t.throws(() => memoryStore({ purgeInterval: -1 }), /purgeInterval/)
+  t.throws(() => memoryStore({ now: 5 as unknown as () => number }), /now must be a function/)
+})
+
+t.test('bodies from the shared Buffer pool are copied out of it', async (t) => {
+  const store = memoryStore({ purgeInterval: 0 })
+  t.teardown(() => store.close())
+  const claim = await store.claim({ scope: 's', key: 'pool', fingerprint: fp, leaseMs: 100, ttlMs: 60_000 })
+  if (claim.outcome !== 'acquired') return t.fail('not acquired')
+  const pooled = Buffer.from('small body')
+  t.ok(pooled.buffer.byteLength > pooled.length, 'precondition: a pooled slice')
+  await store.complete(claim.lease, { statusCode: 200, headers: {}, body: pooled }, 60_000)
+  const record = await store.get({ scope: 's', key: 'pool' })
+  const body = record?.state === 'completed' ? record.response.body : null
+  t.equal(body?.toString(), 'small body')
+  t.equal(body?.buffer.byteLength, body?.length, 'stored in memory of its own')
+})
