@@ -1,4 +1,4 @@
-import type { FastifyPluginCallback, RouteOptions } from 'fastify'
+import type { FastifyInstance, FastifyPluginCallback, RouteOptions } from 'fastify'
 import { memoryStore } from '../drivers/memory.js'
 import { kState } from './context.js'
 import type { Engine } from './engine.js'
@@ -31,12 +31,31 @@ export const idempotencyPlugin: FastifyPluginCallback<IdempotencyOptions> = func
       'every client shares one key space. Pass scope: (request) => <tenant or account id>.')
   }
 
+  warnAboutEarlierRoutes(fastify, global)
   fastify.decorateRequest('idempotency', null)
   fastify.decorateRequest(kState, null)
   fastify.addHook('onRoute', (route) => protectRoute(engine, global, route))
   fastify.addHook('onSend', createRecordHook(engine))
   if (ownsStore) fastify.addHook('onClose', async () => { await store.close() })
   done()
+}
+
+/**
+ * Fastify's onRoute only sees routes added after the plugin loaded, so a route declared before
+ * `await app.register(idempotency)` would silently run unprotected. Say so, loudly, at boot.
+ */
+function warnAboutEarlierRoutes (fastify: FastifyInstance, global: GlobalSettings): void {
+  const earlier: string[] = []
+  for (const line of fastify.printRoutes({ commonPrefix: false }).split('\n')) {
+    const match = /(\/\S*) \(([^)]+)\)/.exec(line)
+    if (match === null) continue
+    const methods = (match[2] ?? '').split(',').map((m) => m.trim().toUpperCase()).filter((m) => global.methods.has(m))
+    if (methods.length > 0) earlier.push(`${methods.join(',')} ${match[1] ?? ''}`)
+  }
+  if (earlier.length > 0) {
+    fastify.log.warn(`fastify-idempotency: these routes were declared before the plugin finished registering and are NOT protected: ${earlier.join('; ')}. ` +
+      'Await app.register(idempotency, ...) before declaring routes, or declare them in a plugin registered after it.')
+  }
 }
 
 /** Decides, once per route, whether and how it is protected, and attaches the hooks only to it. */
