@@ -1,0 +1,226 @@
+// The project's test command (`npm test`):
+//   1. start throwaway PostgreSQL / Redis / Redis Cluster (scripts/services.mjs),
+//      unless DATABASE_URL / REDIS_URL / REDIS_CLUSTER_NODES are already set;
+//   2. type-check (tsc --noEmit -p .);
+//   3. run tap with the services' env; extra args go to tap
+//      (`npm test -- test/replay.test.ts` runs one file);
+//   4. stop the services and print `N passed, N failed[, N skipped]` as the last line.
+// Exit status is tap's (1 if tap produced no summary or anything else went wrong).
+
+import { spawn } from 'node:child_process'
+import { existsSync, readdirSync, readFileSync } from 'node:fs'
+import os from 'node:os'
+import path from 'node:path'
+import { fileURLToPath } from 'node:url'
+import { startServices } from './services.mjs'
+
+// Recursion guard: if tap ever picks this file up as a test (its default include
+// matches `**/test.*`), do nothing instead of starting a nested run.
+if (process.env.IDEM_TEST_RUNNER === '1') {
+  process.stdout.write('1..0 # SKIP scripts/test.mjs is the test runner, not a test\n')
+  process.exit(0)
+}
+
+const root = path.resolve(path.dirname(fileURLToPath(import.meta.url)), '..')
+process.chdir(root)
+
+// --include only applies when no files are named on the command line. It keeps
+// tap off scripts/test.mjs and off helper modules under test/.
+const tapArgs = [
+  '--disable-coverage', '--reporter=tap', '--timeout=120',
+  '--include=test/**/*.test.ts',
+  ...process.argv.slice(2)
+]
+
+let services = null // { env, stop }
+let tapChild = null
+let captured = '' // tail of tap's stdout, for the summary
+let finishing = false
+
+const CAPTURE_LIMIT = 256 * 1024
+
+function stopServices () {
+  if (services) services.stop.sync()
+}
+
+/** Parse tap's closing `# { total: 5, pass: 3, fail: 1, skip: 1 }` line (the last one wins). */
+function parseSummary (text) {
+  const re = /^#\s*\{([^{}\n]*)\}\s*$/gm
+  let last = null
+  for (let m; (m = re.exec(text));) {
+    const counts = {}
+    for (const kv of m[1].matchAll(/([A-Za-z_$][\w$]*|'[^']*'|"[^"]*")\s*:\s*(\d+)/g)) {
+      counts[kv[1].replace(/^['"]|['"]$/g, '')] = Number(kv[2])
+    }
+    if ('total' in counts || 'pass' in counts || 'fail' in counts) last = counts
+  }
+  return last
+}
+
+function summaryLine (counts, exitCode) {
+  if (!counts) return '0 passed, 1 failed'
+  const pass = counts.pass ?? 0
+  let failed = counts.fail ?? 0
+  // tap failed without counting a failed assertion (e.g. a crashed file): don't report success
+  if (exitCode !== 0 && failed === 0) failed = 1
+  const skip = counts.skip ?? 0
+  return `${pass} passed, ${failed} failed${skip > 0 ? `, ${skip} skipped` : ''}`
+}
+
+const tapRunning = () => tapChild && tapChild.exitCode === null && tapChild.signalCode === null
+
+/**
+ * tap runs in its own process group (so we decide when it dies); kill the whole
+ * group: SIGTERM, then SIGKILL after a grace period (tap waits for its test
+ * processes on SIGTERM).
+ */
+function killTap () {
+  if (!tapRunning()) return
+  const group = -tapChild.pid
+  try { process.kill(group, 'SIGTERM') } catch {}
+  const deadline = Date.now() + 3000
+  const nap = new Int32Array(new SharedArrayBuffer(4))
+  while (Date.now() < deadline) {
+    try { process.kill(group, 0) } catch { return } // group is gone
+    if (groupAllZombies(tapChild.pid)) return
+    Atomics.wait(nap, 0, 0, 50)
+  }
+  try { process.kill(group, 'SIGKILL') } catch {}
+}
+
+/** True when no live (non-zombie) process is left in process group `pgid`. */
+function groupAllZombies (pgid) {
+  try {
+    for (const pid of readdirSync('/proc')) {
+      if (!/^\d+$/.test(pid)) continue
+      let stat
+      try { stat = readFileSync(`/proc/${pid}/stat`, 'utf8') } catch { continue }
+      const fields = stat.slice(stat.lastIndexOf(')') + 2).split(' ') // state ppid pgrp …
+      if (Number(fields[2]) === pgid && fields[0] !== 'Z') return false
+    }
+    return true
+  } catch {
+    return false
+  }
+}
+
+/** Stop everything, print the final line last, and exit. */
+function finish (exitCode, counts = parseSummary(captured)) {
+  if (finishing) return
+  finishing = true
+  killTap()
+  stopServices()
+  if (!counts && exitCode === 0) exitCode = 1
+  const line = summaryLine(counts, exitCode) + '\n'
+  process.stdout.write(line, () => process.exit(exitCode))
+  // if stdout is gone (EPIPE) the callback may never run
+  setTimeout(() => process.exit(exitCode), 2000).unref()
+}
+
+for (const sig of ['SIGINT', 'SIGTERM', 'SIGHUP']) {
+  process.on(sig, () => {
+    process.stderr.write(`\n[test] received ${sig}, stopping…\n`)
+    finish(128 + (os.constants.signals[sig] ?? 1))
+  })
+}
+process.on('uncaughtException', (err) => {
+  process.stderr.write(`[test] uncaught error: ${err?.stack ?? err}\n`)
+  finish(1)
+})
+process.on('unhandledRejection', (err) => {
+  process.stderr.write(`[test] unhandled rejection: ${err?.stack ?? err}\n`)
+  finish(1)
+})
+// last resort (e.g. someone calls process.exit); both are idempotent
+process.on('exit', () => { killTap(); stopServices() })
+
+/** Run a command, collecting its combined output. */
+function capture (cmd, args) {
+  return new Promise((resolve) => {
+    let out = ''
+    const child = spawn(cmd, args, { stdio: ['ignore', 'pipe', 'pipe'] })
+    child.stdout.on('data', (d) => { out += d })
+    child.stderr.on('data', (d) => { out += d })
+    child.on('error', (err) => resolve({ code: 1, out: out + String(err.message) }))
+    child.on('close', (code) => resolve({ code: code ?? 1, out }))
+  })
+}
+
+async function typecheck () {
+  const tsc = path.join('node_modules', 'typescript', 'bin', 'tsc')
+  if (!existsSync(tsc)) return { code: 1, out: 'typescript is not installed (run npm ci)' }
+  if (process.env.SKIP_TYPECHECK === '1') {
+    process.stderr.write('[test] SKIP_TYPECHECK=1, skipping the type check\n')
+    return { code: 0, out: '' }
+  }
+  if (!existsSync('tsconfig.json')) {
+    process.stderr.write('[test] no tsconfig.json, skipping the type check\n')
+    return { code: 0, out: '' }
+  }
+  const t0 = Date.now()
+  const r = await capture(process.execPath, [tsc, '--noEmit', '-p', '.'])
+  if (r.code === 0) process.stderr.write(`[test] type check passed (${((Date.now() - t0) / 1000).toFixed(1)} s)\n`)
+  return r
+}
+
+function tapCommand () {
+  try {
+    const pkgFile = path.join('node_modules', 'tap', 'package.json')
+    const pkg = JSON.parse(readFileSync(pkgFile, 'utf8'))
+    const bin = typeof pkg.bin === 'string' ? pkg.bin : pkg.bin?.tap
+    if (bin) {
+      const file = path.join('node_modules', 'tap', bin)
+      if (existsSync(file)) return [process.execPath, [file, ...tapArgs]]
+    }
+  } catch {}
+  return ['npx', ['--no-install', 'tap', ...tapArgs]]
+}
+
+function runTap (env) {
+  return new Promise((resolve) => {
+    const [cmd, args] = tapCommand()
+    tapChild = spawn(cmd, args, { env, stdio: ['inherit', 'pipe', 'pipe'], detached: true })
+    const keep = (d) => {
+      captured += d
+      if (captured.length > CAPTURE_LIMIT * 2) captured = captured.slice(-CAPTURE_LIMIT)
+    }
+    tapChild.stdout.on('data', (d) => { process.stdout.write(d); keep(d) })
+    tapChild.stderr.on('data', (d) => { process.stderr.write(d) })
+    let code = null
+    const done = () => resolve(code)
+    tapChild.on('error', (err) => {
+      process.stderr.write(`[test] could not run tap: ${err.message}\n`)
+      code = 1
+      done()
+    })
+    tapChild.on('exit', (c, signal) => {
+      code = c ?? 128 + (os.constants.signals[signal] ?? 1)
+      // wait for the pipes to drain, but not forever (a test may leave a
+      // grandchild holding them open)
+      const t = setTimeout(done, 3000)
+      tapChild.on('close', () => { clearTimeout(t); done() })
+    })
+  })
+}
+
+async function main () {
+  const [svc, tc] = await Promise.allSettled([startServices(), typecheck()])
+  if (svc.status === 'fulfilled') services = svc.value
+  if (svc.status === 'rejected') {
+    process.stderr.write(`[test] could not start the test services:\n${svc.reason?.message ?? svc.reason}\n`)
+    return finish(1, null)
+  }
+  if (tc.status === 'rejected' || tc.value.code !== 0) {
+    const out = tc.status === 'rejected' ? String(tc.reason) : tc.value.out
+    process.stdout.write(out.endsWith('\n') || !out ? out : out + '\n')
+    process.stderr.write('[test] type check failed (tsc --noEmit -p .), not running the tests\n')
+    return finish(1, null)
+  }
+  const code = await runTap({ ...process.env, ...services.env, IDEM_TEST_RUNNER: '1' })
+  finish(code ?? 1)
+}
+
+main().catch((err) => {
+  process.stderr.write(`[test] ${err?.stack ?? err}\n`)
+  finish(1, null)
+})
