@@ -5,6 +5,7 @@ import {
   canonicalFingerprint, customFingerprint, finishRawHash, fingerprintsEqual, startRawHash
 } from './fingerprint.js'
 import { renewWhileRunning } from './lease.js'
+import { abandon } from './settle.js'
 import type { ClaimRequest, Fingerprint, StoredResponse } from './store.js'
 import { withTimeout } from './timeout.js'
 import { localId } from './waiters.js'
@@ -46,6 +47,10 @@ export async function claimKey (engine: Engine, request: FastifyRequest, reply: 
       if (result.takeover) state.log.warn(decision(state, 'taken_over'), 'idempotency: took over an abandoned in-progress key')
       else state.log.debug(decision(state, 'executed'), 'idempotency: key claimed')
       renewWhileRunning(engine, state)
+      // A client that leaves while the handler runs: Node emits the request's 'close' as soon as
+      // its body is read, so onRequestAbort misses it; the response closing before its end does not.
+      const res = reply.raw
+      res.once('close', () => { if (!res.writableFinished && state.phase === 'owner') abandon(state) })
       return undefined
     }
     // Draft §2.7: a key reused with a different request is a client error whatever the state of the
@@ -70,7 +75,7 @@ async function fingerprintOf (request: FastifyRequest, state: RequestState): Pro
   const mode = state.settings.fingerprint
   switch (mode.mode) {
     case 'canonical':
-      return canonicalFingerprint(request.method, request.url, request.body)
+      return canonicalFingerprint(request.method, request.url, request.body, request.headers['content-type'])
     case 'raw':
       return finishRawHash(state.rawHash ?? startRawHash(request.method, request.url))
     case 'custom': {

@@ -31,13 +31,21 @@ export const CANONICAL = 'canonical-v1'
 export const RAW = 'raw-v1'
 export const CUSTOM = 'custom-v1'
 
-export function canonicalFingerprint (method: string, url: string, body: unknown): Fingerprint {
+export function canonicalFingerprint (method: string, url: string, body: unknown, contentType?: string): Fingerprint {
   const hash = createHash('sha256').update(method).update('\n').update(url).update('\n')
   if (body === undefined) hash.update('none')
   else if (Buffer.isBuffer(body)) hash.update('bytes:').update(body)
-  else if (typeof body === 'string') hash.update('text:').update(body)
+  // A string is text unless a JSON parser produced it (a JSON body `"x"`), which must not collide with text `x`.
+  else if (typeof body === 'string' && !isJson(contentType)) hash.update('text:').update(body)
   else hash.update('json:').update(canonicalJson(body))
   return { algorithm: CANONICAL, digest: hash.digest() }
+}
+
+function isJson (contentType: string | undefined): boolean {
+  if (contentType === undefined) return false
+  const semicolon = contentType.indexOf(';')
+  const type = (semicolon === -1 ? contentType : contentType.slice(0, semicolon)).trim().toLowerCase()
+  return type === 'application/json' || type.endsWith('+json')
 }
 
 export function customFingerprint (value: string | Buffer): Fingerprint {

@@ -15,7 +15,6 @@ export interface RouteHooks {
   readonly preHandler: (request: FastifyRequest, reply: FastifyReply) => Promise<FastifyReply | undefined>
   readonly onError: (request: FastifyRequest, reply: FastifyReply, error: FastifyError, done: () => void) => void
   readonly onResponse: (request: FastifyRequest, reply: FastifyReply) => Promise<void>
-  readonly onRequestAbort: (request: FastifyRequest, done: HookHandlerDoneFunction) => void
   readonly onTimeout: (request: FastifyRequest, reply: FastifyReply, done: HookHandlerDoneFunction) => void
 }
 
@@ -67,7 +66,8 @@ export function routeHooks (engine: Engine, settings: RouteSettings, methods: Re
     if (state !== null && state.phase === 'owner') await releaseUnsent(engine, state)
   }
 
-  function idempotencyAbandon (request: FastifyRequest, done: HookHandlerDoneFunction): void {
+  // The socket timed out (connectionTimeout): as for a client that left, stop renewing the lease.
+  function idempotencyAbandon (request: FastifyRequest, _reply: FastifyReply, done: HookHandlerDoneFunction): void {
     const state = stateOf(request)
     if (state !== null && state.phase === 'owner') abandon(state)
     done()
@@ -79,8 +79,7 @@ export function routeHooks (engine: Engine, settings: RouteSettings, methods: Re
     preHandler: idempotencyClaim,
     onError: idempotencyFlagError,
     onResponse: idempotencyCleanup,
-    onRequestAbort: idempotencyAbandon,
-    onTimeout: (request, _reply, done) => idempotencyAbandon(request, done)
+    onTimeout: idempotencyAbandon
   }
 }
 

@@ -80,11 +80,10 @@ function protectRoute (engine: Engine, global: GlobalSettings, route: RouteOptio
   appendHook(route, 'preHandler', hooks.preHandler)
   appendHook(route, 'onError', hooks.onError)
   appendHook(route, 'onResponse', hooks.onResponse)
-  appendHook(route, 'onRequestAbort', hooks.onRequestAbort)
   appendHook(route, 'onTimeout', hooks.onTimeout)
 }
 
-type HookName = 'onRequest' | 'preParsing' | 'preHandler' | 'onError' | 'onResponse' | 'onRequestAbort' | 'onTimeout'
+type HookName = 'onRequest' | 'preParsing' | 'preHandler' | 'onError' | 'onResponse' | 'onTimeout'
 
 /** Route-level hooks run after the instance's (auth, rate limits), so those answer first and are never recorded. */
 function appendHook (route: RouteOptions, name: HookName, hook: unknown): void {
