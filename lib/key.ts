@@ -91,8 +91,8 @@ function readSfString (value: string): string | ParsedKey {
 function readBareValue (value: string): string | ParsedKey {
   for (let i = 0; i < value.length; i++) {
     const c = value.charCodeAt(i)
-    // Visible ASCII (RFC 5234 VCHAR) minus DQUOTE and ",".
-    if (c < 0x21 || c > 0x7e || c === 0x22 || c === 0x2c) {
+    // Visible ASCII (RFC 5234 VCHAR) minus quotes (" and ') and ",".
+    if (c < 0x21 || c > 0x7e || c === 0x22 || c === 0x27 || c === 0x2c) {
       return invalid('The Idempotency-Key must be visible ASCII without spaces, quotes or commas, or a quoted Structured Field string.')
     }
   }

@@ -161,7 +161,11 @@ function mergeRouteOptions (base: RouteSettings, options: RouteIdempotencyOption
     scope: options.scope === undefined ? base.scope : fn(name('scope'), options.scope),
     required: options.required === undefined ? base.required : bool(name('required'), options.required),
     ttl: options.ttl === undefined ? base.ttl : int(name('ttl'), options.ttl, 1, 'milliseconds'),
-    lease: options.lease === undefined ? base.lease : int(name('lease'), options.lease, 1, 'milliseconds'),
+    // A ttl shorter than the inherited lease shortens the lease with it; an explicit lease longer
+    // than the ttl is refused below.
+    lease: options.lease === undefined
+      ? (options.ttl === undefined ? base.lease : Math.min(base.lease, int(name('ttl'), options.ttl, 1, 'milliseconds')))
+      : int(name('lease'), options.lease, 1, 'milliseconds'),
     wait: options.wait === undefined ? base.wait : int(name('wait'), options.wait, 0, 'milliseconds'),
     maxKeyLength: options.maxKeyLength === undefined ? base.maxKeyLength : int(name('maxKeyLength'), options.maxKeyLength, 1, 'characters', 8192),
     keyFormat: options.keyFormat === undefined ? base.keyFormat : oneOf(name('keyFormat'), options.keyFormat, ['lenient', 'strict']),

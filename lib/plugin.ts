@@ -12,10 +12,17 @@ import { Waiters } from './waiters.js'
 const STORE_METHODS = ['claim', 'complete', 'release', 'renew', 'get', 'purgeExpired', 'close'] as const
 
 export const idempotencyPlugin: FastifyPluginCallback<IdempotencyOptions> = function fastifyIdempotency (fastify, options, done) {
-  const global = resolveGlobalOptions(options)
+  let global: GlobalSettings
+  try {
+    global = resolveGlobalOptions(options)
+    if (options.store !== undefined) checkStore(options.store)
+  } catch (err) {
+    // Through done(), so register() / ready() reject with it (a synchronous throw escapes avvio).
+    done(err as Error)
+    return
+  }
   const ownsStore = options.store === undefined
   const store = options.store ?? memoryStore()
-  checkStore(store)
 
   const problemOptions = { typeBase: global.problemTypeBase, docsUrl: global.docsUrl }
   const engine: Engine = {

@@ -1,5 +1,8 @@
 import type { IdempotencyContext } from './context.js'
-import type { RouteIdempotencyOptions } from './options.js'
+import type { IdempotencyOptions, RouteIdempotencyOptions } from './options.js'
+
+/** Registration-only options (store, methods, ...) are refused in a route's config at compile time too. */
+type RegistrationOnly = { readonly [K in Exclude<keyof IdempotencyOptions, keyof RouteIdempotencyOptions>]?: never }
 
 declare module 'fastify' {
   interface FastifyContextConfig {
@@ -7,7 +10,7 @@ declare module 'fastify' {
      * `false` opts the route out; `true` opts it in (also for a method outside `methods`, such as
      * PUT or DELETE); an object opts it in with per-route options. Validated when the route is added.
      */
-    idempotency?: boolean | RouteIdempotencyOptions
+    idempotency?: boolean | (RouteIdempotencyOptions & RegistrationOnly & object)
   }
 
   interface FastifyRequest {
