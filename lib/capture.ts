@@ -59,6 +59,7 @@ export function captureStream (source: Readable, limit: number, events: StreamCa
   let overflow = false
   let consumerGone = false
   let finished = false
+  let held: Buffer | null = null
 
   const finish = (settle: () => Promise<void>, after: () => void): void => {
     if (finished) return
@@ -95,11 +96,20 @@ export function captureStream (source: Readable, limit: number, events: StreamCa
         chunks.push(bytes)
       }
     }
-    if (!consumerGone && !out.push(bytes)) source.pause()
+    if (consumerGone || bytes.length === 0) return
+    // The last byte seen so far is held back: the response cannot look complete to the client
+    // (even with a Content-Length) before onEnd has recorded it.
+    const previous = held
+    held = bytes.subarray(bytes.length - 1)
+    let more = previous === null || out.push(previous)
+    if (bytes.length > 1) more = out.push(bytes.subarray(0, bytes.length - 1)) && more
+    if (!more) source.pause()
   })
   source.once('end', () => {
     finish(() => events.onEnd(overflow ? null : Buffer.concat(chunks, size)), () => {
-      if (!consumerGone) out.push(null)
+      if (consumerGone) return
+      if (held !== null) out.push(held)
+      out.push(null)
     })
   })
   source.once('error', (error: Error) => {

@@ -37,6 +37,8 @@ export async function settleOwner (engine: Engine, reply: FastifyReply, state: R
     return payload
   }
 
+  // A Buffer is replayed with Fastify's default type for bytes; give the original the same one.
+  if (captured.kind === 'stream' && !reply.hasHeader('content-type')) reply.header('content-type', 'application/octet-stream')
   const headers = pickReplayHeaders(reply.getHeaders(), state.settings.replayHeaders)
   const limit = state.settings.maxResponseBytes
   if (captured.kind === 'bytes') {
