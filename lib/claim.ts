@@ -6,7 +6,7 @@ import {
 } from './fingerprint.js'
 import { renewWhileRunning } from './lease.js'
 import { abandon } from './settle.js'
-import type { ClaimRequest, Fingerprint, StoredResponse } from './store.js'
+import type { ClaimRequest, ClaimResult, Fingerprint, StoredResponse } from './store.js'
 import { withTimeout } from './timeout.js'
 import { localId } from './waiters.js'
 
@@ -36,7 +36,12 @@ export async function claimKey (engine: Engine, request: FastifyRequest, reply: 
   for (;;) {
     let result
     try {
-      result = await withTimeout('claim', settings.storeTimeout, () => engine.store.claim(claim))
+      if (settings.transaction) {
+        const waitMs = Math.max(0, deadline - Date.now())
+        result = await withTimeout('claim', settings.storeTimeout + waitMs, () => claimInTransaction(engine, claim, waitMs), releaseLate(engine, state))
+      } else {
+        result = await withTimeout('claim', settings.storeTimeout, () => engine.store.claim(claim), releaseLate(engine, state))
+      }
     } catch (err) {
       return storeFailed(engine, request, reply, state, err)
     }
@@ -46,11 +51,17 @@ export async function claimKey (engine: Engine, request: FastifyRequest, reply: 
       state.phase = 'owner'
       if (result.takeover) state.log.warn(decision(state, 'taken_over'), 'idempotency: took over an abandoned in-progress key')
       else state.log.debug(decision(state, 'executed'), 'idempotency: key claimed')
-      renewWhileRunning(engine, state)
+      if (result.transaction !== undefined) {
+        // Atomic mode: the open transaction holds the record, and a crash rolls it back; no lease to renew.
+        state.transactional = true
+        state.context.sql = result.transaction
+      } else {
+        renewWhileRunning(engine, state)
+      }
       // A client that leaves while the handler runs: Node emits the request's 'close' as soon as
       // its body is read, so onRequestAbort misses it; the response closing before its end does not.
       const res = reply.raw
-      res.once('close', () => { if (!res.writableFinished && state.phase === 'owner') abandon(state) })
+      res.once('close', () => { if (!res.writableFinished && state.phase === 'owner') abandon(engine, state) })
       return undefined
     }
     // Draft §2.7: a key reused with a different request is a client error whatever the state of the
@@ -69,6 +80,24 @@ export async function claimKey (engine: Engine, request: FastifyRequest, reply: 
     await engine.waiters.wait(localId(scope, state.key), Math.min(poll, remaining))
     poll = Math.min(poll * 2, MAX_POLL_MS)
   }
+}
+
+/** A claim that lands after its timeout was answered 503 (or bypassed): give the key back at once. */
+function releaseLate (engine: Engine, state: RequestState) {
+  return (result: ClaimResult): void => {
+    if (result.outcome !== 'acquired') return
+    engine.store.release(result.lease).then(
+      () => state.log.warn(decision(state, 'released'), 'idempotency: released a claim that landed after storeTimeout'),
+      (err: unknown) => state.log.error({ ...decision(state, 'store_error'), err }, 'idempotency: could not release a late claim; it frees itself when its lease expires')
+    )
+  }
+}
+
+function claimInTransaction (engine: Engine, claim: ClaimRequest, waitMs: number): Promise<ClaimResult> {
+  const store = engine.store
+  // Checked when the route was added; kept for stores that drop the method at run time.
+  if (store.claimInTransaction === undefined) return Promise.reject(new TypeError('fastify-idempotency: the store has no claimInTransaction'))
+  return store.claimInTransaction({ ...claim, waitMs })
 }
 
 async function fingerprintOf (request: FastifyRequest, state: RequestState): Promise<Fingerprint> {

@@ -34,7 +34,9 @@ export class RequestState {
   errored = false
   /** The client went away or the socket timed out: the lease is no longer renewed. */
   abandoned = false
-  context: { key: string, scope: string, fingerprint: Fingerprint, replayed: boolean } | null = null
+  /** Atomic mode: the lease holds an open transaction (committed by complete, rolled back by release). */
+  transactional = false
+  context: { key: string, scope: string, fingerprint: Fingerprint, replayed: boolean, sql?: unknown } | null = null
 
   constructor (
     readonly key: string,

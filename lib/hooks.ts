@@ -69,7 +69,7 @@ export function routeHooks (engine: Engine, settings: RouteSettings, methods: Re
   // The socket timed out (connectionTimeout): as for a client that left, stop renewing the lease.
   function idempotencyAbandon (request: FastifyRequest, _reply: FastifyReply, done: HookHandlerDoneFunction): void {
     const state = stateOf(request)
-    if (state !== null && state.phase === 'owner') abandon(state)
+    if (state !== null && state.phase === 'owner') abandon(engine, state)
     done()
   }
 

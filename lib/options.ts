@@ -41,6 +41,12 @@ export interface RouteIdempotencyOptions {
   storeTimeout?: number
   /** Seconds in the `Retry-After` of 409 and 503 answers. @defaultValue 1 */
   retryAfter?: number
+  /**
+   * Atomic mode: claim the key inside a transaction the handler writes through
+   * (`request.idempotency.sql`), committed together with the recorded response. Needs a store with
+   * `claimInTransaction` (the Postgres driver). @defaultValue false
+   */
+  transaction?: boolean
 }
 
 export interface IdempotencyOptions extends RouteIdempotencyOptions {
@@ -75,6 +81,7 @@ export interface RouteSettings {
   readonly onStoreError: 'fail' | 'bypass'
   readonly storeTimeout: number
   readonly retryAfter: number
+  readonly transaction: boolean
 }
 
 export interface GlobalSettings {
@@ -86,7 +93,7 @@ export interface GlobalSettings {
 
 const ROUTE_OPTION_NAMES = [
   'scope', 'required', 'ttl', 'lease', 'wait', 'maxKeyLength', 'keyFormat', 'fingerprint', 'record',
-  'maxResponseBytes', 'replayHeaders', 'onStoreError', 'storeTimeout', 'retryAfter'
+  'maxResponseBytes', 'replayHeaders', 'onStoreError', 'storeTimeout', 'retryAfter', 'transaction'
 ] as const
 const GLOBAL_OPTION_NAMES = new Set<string>([...ROUTE_OPTION_NAMES, 'store', 'methods', 'problemTypeBase', 'docsUrl'])
 const ROUTE_ONLY = new Set<string>(ROUTE_OPTION_NAMES)
@@ -112,7 +119,8 @@ const DEFAULT_ROUTE: RouteSettings = Object.freeze({
   replayHeaders: new Set(DEFAULT_REPLAY_HEADERS),
   onStoreError: 'fail',
   storeTimeout: 5_000,
-  retryAfter: 1
+  retryAfter: 1,
+  transaction: false
 })
 
 export function resolveGlobalOptions (options: IdempotencyOptions): GlobalSettings {
@@ -175,7 +183,8 @@ function mergeRouteOptions (base: RouteSettings, options: RouteIdempotencyOption
     replayHeaders: options.replayHeaders === undefined ? base.replayHeaders : resolveReplayHeaders(name('replayHeaders'), options.replayHeaders),
     onStoreError: options.onStoreError === undefined ? base.onStoreError : oneOf(name('onStoreError'), options.onStoreError, ['fail', 'bypass']),
     storeTimeout: options.storeTimeout === undefined ? base.storeTimeout : int(name('storeTimeout'), options.storeTimeout, 1, 'milliseconds'),
-    retryAfter: options.retryAfter === undefined ? base.retryAfter : int(name('retryAfter'), options.retryAfter, 0, 'seconds', 86_400)
+    retryAfter: options.retryAfter === undefined ? base.retryAfter : int(name('retryAfter'), options.retryAfter, 0, 'seconds', 86_400),
+    transaction: options.transaction === undefined ? base.transaction : bool(name('transaction'), options.transaction)
   }
   if (settings.lease > settings.ttl) {
     throw new InvalidOptionError(name('lease'), `at most the ttl (${settings.ttl} ms): a record must outlive its owner's lease`, settings.lease)

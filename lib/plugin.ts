@@ -16,6 +16,7 @@ export const idempotencyPlugin: FastifyPluginCallback<IdempotencyOptions> = func
   try {
     global = resolveGlobalOptions(options)
     if (options.store !== undefined) checkStore(options.store)
+    if (global.route.transaction) checkTransactions(options.store, 'option "transaction"')
   } catch (err) {
     // Through done(), so register() / ready() reject with it (a synchronous throw escapes avvio).
     done(err as Error)
@@ -77,8 +78,10 @@ function protectRoute (engine: Engine, global: GlobalSettings, route: RouteOptio
     settings = global.route
     if (covered.length < declared.length) methods = new Set(covered)
   } else {
-    settings = resolveRouteConfig(global, config, `route ${declared.join(',')} ${route.url}`)
+    const where = `route ${declared.join(',')} ${route.url}`
+    settings = resolveRouteConfig(global, config, where)
     if (settings === null) return
+    if (settings.transaction) checkTransactions(engine.store, `${where} config.idempotency.transaction`)
   }
 
   const hooks = routeHooks(engine, settings, methods)
@@ -106,5 +109,11 @@ function checkStore (store: IdempotencyStore): void {
     : [...STORE_METHODS]
   if (missing.length > 0) {
     throw new InvalidOptionError('option "store"', `an IdempotencyStore (missing ${missing.join(', ')})`, store)
+  }
+}
+
+function checkTransactions (store: IdempotencyStore | undefined, option: string): void {
+  if (typeof store?.claimInTransaction !== 'function') {
+    throw new InvalidOptionError(option, 'false unless the store supports transactions (claimInTransaction), as the Postgres driver does', true)
   }
 }

@@ -13,6 +13,7 @@ export type ProblemKind =
   | 'request-in-progress'
   | 'store-unavailable'
   | 'response-not-retained'
+  | 'not-committed'
 
 interface ProblemDefinition {
   readonly status: number
@@ -47,6 +48,12 @@ export const PROBLEMS: Readonly<Record<ProblemKind, ProblemDefinition>> = {
     status: 503,
     title: 'Idempotency store is unavailable',
     detail: 'The request was not processed because its Idempotency-Key could not be checked. Retry the same request later.'
+  },
+  'not-committed': {
+    status: 500,
+    title: 'Idempotent operation was not committed',
+    detail: 'The transaction holding this operation and its Idempotency-Key could not be committed, so nothing was recorded ' +
+      'and its writes were rolled back. Retry the same request.'
   },
   'response-not-retained': {
     status: 410,
@@ -91,6 +98,16 @@ export function sendProblem (
   options: ProblemOptions,
   answer: ProblemAnswer
 ): FastifyReply {
+  return reply.send(applyProblem(reply, bodies, options, answer))
+}
+
+/** Sets the status and headers of a problem answer on the reply and returns its body. */
+export function applyProblem (
+  reply: FastifyReply,
+  bodies: ProblemBodies,
+  options: ProblemOptions,
+  answer: ProblemAnswer
+): string {
   const { status } = PROBLEMS[answer.kind]
   let body = bodies[answer.kind]
   if (answer.detail !== undefined || answer.extensions !== undefined) {
@@ -104,5 +121,5 @@ export function sendProblem (
   reply.header('cache-control', 'no-store')
   if (answer.retryAfter !== undefined) reply.header('retry-after', String(answer.retryAfter))
   if (options.docsUrl !== null) reply.header('link', `<${options.docsUrl}>; rel="describedby"; type="text/html"`)
-  return reply.send(body)
+  return body
 }

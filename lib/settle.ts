@@ -1,9 +1,10 @@
 import type { FastifyReply } from 'fastify'
-import { captureStream, classifyPayload } from './capture.js'
+import { captureStream, classifyPayload, type CapturedPayload } from './capture.js'
 import type { RequestState } from './context.js'
 import { decision, type Engine } from './engine.js'
 import { pickReplayHeaders } from './headers.js'
 import { stopRenewal } from './lease.js'
+import { applyProblem } from './problems.js'
 import type { Lease, StoredResponse } from './store.js'
 import { withTimeout } from './timeout.js'
 import { localId } from './waiters.js'
@@ -41,6 +42,7 @@ export async function settleOwner (engine: Engine, reply: FastifyReply, state: R
   if (captured.kind === 'stream' && !reply.hasHeader('content-type')) reply.header('content-type', 'application/octet-stream')
   const headers = pickReplayHeaders(reply.getHeaders(), state.settings.replayHeaders)
   const limit = state.settings.maxResponseBytes
+  if (state.transactional) return commitThenSend(engine, reply, state, lease, captured, headers)
   if (captured.kind === 'bytes') {
     const body = captured.body.length > limit ? null : captured.body
     await record(engine, state, lease, { statusCode, headers, body })
@@ -64,10 +66,62 @@ export async function releaseUnsent (engine: Engine, state: RequestState): Promi
   await release(engine, state, state.lease as Lease, 'the response was not sent through Fastify')
 }
 
-/** The client went away or the socket timed out: stop renewing; the lease lapses unless the handler still answers. */
-export function abandon (state: RequestState): void {
+/**
+ * The client went away or the socket timed out. Lease mode: stop renewing; the lease lapses unless
+ * the handler still answers. Atomic mode: roll back now, which removes the claim and the handler's
+ * writes together (its later queries fail), so a retry can run the operation afresh.
+ */
+export function abandon (engine: Engine, state: RequestState): void {
   state.abandoned = true
   stopRenewal(state)
+  if (state.transactional && state.phase === 'owner') {
+    state.phase = 'settling'
+    release(engine, state, state.lease as Lease, 'the client went away before the transaction committed').catch(/* c8 ignore next */ () => {})
+  }
+}
+
+/**
+ * Atomic mode: the response is recorded and the transaction committed before a byte is sent, so a
+ * client never sees a success that was rolled back. A stream is therefore read whole first (status
+ * and headers cannot be taken back once a stream has started). If the commit fails, the client gets
+ * a 500 problem instead of the handler's body: nothing of the operation happened.
+ */
+async function commitThenSend (
+  engine: Engine,
+  reply: FastifyReply,
+  state: RequestState,
+  lease: Lease,
+  captured: Exclude<CapturedPayload, { kind: 'unsupported' }>,
+  headers: Record<string, string | string[]>
+): Promise<unknown> {
+  let body: Buffer
+  if (captured.kind === 'bytes') {
+    body = captured.body
+  } else {
+    try {
+      body = Buffer.concat(await captured.source.toArray() as Buffer[])
+    } catch {
+      await release(engine, state, lease, 'the response stream failed')
+      return notCommitted(engine, reply)
+    }
+  }
+  const response: StoredResponse = { statusCode: reply.statusCode, headers, body: body.length > state.settings.maxResponseBytes ? null : body }
+  try {
+    const committed = await withTimeout('complete', state.settings.storeTimeout, () => engine.store.complete(lease, response, state.settings.ttl))
+    if (!committed) throw new Error('the transaction no longer owned the record')
+    state.log.debug(decision(state, 'recorded'), 'idempotency: response recorded and transaction committed')
+  } catch (err) {
+    state.log.error({ ...decision(state, 'store_error'), err }, 'idempotency: the transaction could not be committed; answering 500')
+    done(engine, state)
+    return notCommitted(engine, reply)
+  }
+  done(engine, state)
+  return captured.kind === 'bytes' ? undefined : body
+}
+
+function notCommitted (engine: Engine, reply: FastifyReply): string {
+  for (const name of Object.keys(reply.getHeaders())) reply.removeHeader(name)
+  return applyProblem(reply, engine.problems, engine.problemOptions, { kind: 'not-committed' })
 }
 
 async function record (engine: Engine, state: RequestState, lease: Lease, response: StoredResponse): Promise<void> {

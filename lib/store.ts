@@ -56,6 +56,11 @@ export interface ClaimAcquired {
   readonly lease: Lease
   /** True when an in-progress record whose lease had expired was taken over. */
   readonly takeover: boolean
+  /**
+   * Set by `claimInTransaction` only: the open transaction the handler writes through (exposed as
+   * `request.idempotency.sql`). It commits in `complete` and rolls back in `release`.
+   */
+  readonly transaction?: unknown
 }
 
 /** Another attempt owns the record and is (or was, until its lease expires) executing. */
@@ -121,4 +126,17 @@ export interface IdempotencyStore {
 
   /** Stops the driver's own timers and releases what the driver opened (never a client the user passed in). */
   close (): Promise<void>
+
+  /**
+   * Optional (atomic mode, route option `transaction: true`): like `claim`, but an `acquired` record
+   * is inserted inside a transaction that stays open, returned as `transaction`, so the handler's
+   * writes, the claim and the recorded response commit together or not at all:
+   * - `complete(lease, ...)` writes the response and commits (it throws if the commit fails);
+   * - `release(lease)` rolls back, removing the claim and everything the handler wrote;
+   * - the transaction handle refuses to run anything once it has ended;
+   * - `renew` has nothing to do (the open transaction holds the record; a crash rolls it back).
+   * A concurrent claim of the same key blocks up to `waitMs` on the uncommitted record, then
+   * reports it in progress. On any outcome but `acquired`, no transaction is left open.
+   */
+  claimInTransaction? (request: ClaimRequest & { readonly waitMs: number }): Promise<ClaimResult>
 }
