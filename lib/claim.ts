@@ -1,5 +1,5 @@
 import type { FastifyReply, FastifyRequest } from 'fastify'
-import type { RequestState } from './context.js'
+import type { IdempotencyContext, RequestState } from './context.js'
 import { answer, decision, type Engine } from './engine.js'
 import {
   canonicalFingerprint, customFingerprint, finishRawHash, fingerprintsEqual, startRawHash
@@ -28,7 +28,8 @@ export async function claimKey (engine: Engine, request: FastifyRequest, reply: 
   state.scope = scope
   const fingerprint = await fingerprintOf(request, state)
   state.context = { key: state.key, scope, fingerprint, replayed: false }
-  request.idempotency = state.context
+  // `sql` (atomic mode) is typed by the Postgres entry point's augmentation of IdempotencyContext.
+  request.idempotency = state.context as IdempotencyContext
 
   const claim: ClaimRequest = { scope, key: state.key, fingerprint, leaseMs: settings.lease, ttlMs: settings.ttl }
   const deadline = settings.wait > 0 ? Date.now() + settings.wait : 0

@@ -1,0 +1,100 @@
+import type { Sql } from 'postgres'
+import { InvalidOptionError } from '../../lib/errors.js'
+
+/**
+ * A porsager `postgres` client. Typed loosely on its custom types (`Sql<any>`): a client created
+ * with `types: { ... }` is a different `Sql<T>`, and the driver uses none of them.
+ */
+export type PostgresClient = Sql<any>
+
+/** Where the records live. */
+export interface TableOptions {
+  /** Schema of the table; created by `migrate` when missing. @defaultValue 'public' */
+  schema?: string
+  /** Name of the table. @defaultValue 'idempotency_records' */
+  table?: string
+}
+
+export interface PostgresStoreOptions extends TableOptions {
+  /**
+   * A `postgres` (porsager) client. It stays yours: the store never ends it, and `close()` only
+   * stops the store's own timer.
+   */
+  sql: PostgresClient
+  /**
+   * How often expired records are purged in the background, in ms; 0 disables the timer (call
+   * `purgeExpired()` yourself, e.g. from a cron job). The timer is unref'd and stopped by `close()`.
+   * @defaultValue 60_000
+   */
+  purgeInterval?: number
+  /**
+   * Most records one purge statement deletes: each batch is a short statement of its own, so a
+   * purge never holds many row locks or a long transaction. The default limit of `purgeExpired()`.
+   * @defaultValue 1000
+   */
+  purgeBatch?: number
+}
+
+export interface ResolvedNames {
+  readonly schema: string
+  readonly table: string
+}
+
+export interface ResolvedStoreOptions extends ResolvedNames {
+  readonly sql: PostgresClient
+  readonly purgeInterval: number
+  readonly purgeBatch: number
+}
+
+export const DEFAULT_SCHEMA = 'public'
+export const DEFAULT_TABLE = 'idempotency_records'
+
+const MAX_INTERVAL = 2_147_483_647 // setInterval's ceiling; longer delays fire at once
+/** NAMEDATALEN - 1: PostgreSQL silently truncates longer identifiers, so two long names could collide. */
+const MAX_IDENTIFIER_BYTES = 63
+
+export function resolveStoreOptions (options: PostgresStoreOptions): ResolvedStoreOptions {
+  if (options === null || typeof options !== 'object') {
+    throw new InvalidOptionError('postgresStore options', 'an object with at least { sql }', options)
+  }
+  return Object.freeze({
+    sql: resolveClient('postgresStore option "sql"', options.sql),
+    ...resolveNames(options, 'postgresStore'),
+    purgeInterval: integer('postgresStore option "purgeInterval"', options.purgeInterval, 60_000, 0, MAX_INTERVAL),
+    purgeBatch: integer('postgresStore option "purgeBatch"', options.purgeBatch, 1000, 1, MAX_INTERVAL)
+  })
+}
+
+export function resolveNames (options: TableOptions, caller: string): ResolvedNames {
+  return {
+    schema: identifier(`${caller} option "schema"`, options.schema, DEFAULT_SCHEMA),
+    table: identifier(`${caller} option "table"`, options.table, DEFAULT_TABLE)
+  }
+}
+
+export function resolveClient (name: string, sql: unknown): PostgresClient {
+  const client = sql as { begin?: unknown, unsafe?: unknown } | null
+  if (typeof sql !== 'function' || typeof client?.begin !== 'function' || typeof client.unsafe !== 'function') {
+    throw new InvalidOptionError(name, 'a postgres (porsager) client, as returned by postgres(url)', sql)
+  }
+  return sql as PostgresClient
+}
+
+function identifier (name: string, value: unknown, fallback: string): string {
+  if (value === undefined) return fallback
+  // postgres.js quotes `sql(name)` but reads a dot as a qualifier separator ("a.b" → "a"."b"), so a
+  // dot would silently name another object; NUL cannot appear in an identifier at all.
+  if (typeof value !== 'string' || value.length === 0 || value.includes('.') || value.includes('\0') ||
+      Buffer.byteLength(value) > MAX_IDENTIFIER_BYTES) {
+    throw new InvalidOptionError(name, `a non-empty identifier of at most ${MAX_IDENTIFIER_BYTES} bytes, without dots`, value)
+  }
+  return value
+}
+
+function integer (name: string, value: unknown, fallback: number, min: number, max: number): number {
+  if (value === undefined) return fallback
+  if (typeof value !== 'number' || !Number.isInteger(value) || value < min || value > max) {
+    throw new InvalidOptionError(name, `an integer from ${min} to ${max}`, value)
+  }
+  return value
+}

@@ -1,0 +1,207 @@
+import { randomUUID } from 'node:crypto'
+import { fingerprintsEqual } from '../../lib/fingerprint.js'
+import type {
+  ClaimRequest, ClaimResult, IdempotencyStore, Lease, RecordId, StoredRecord, StoredResponse
+} from '../../lib/store.js'
+import { resolveStoreOptions, type PostgresStoreOptions } from './options.js'
+import { migrate } from './schema.js'
+import { createStatements, type ExistingRecord } from './statements.js'
+import { createTransactions } from './transaction.js'
+
+/** An {@link IdempotencyStore} on PostgreSQL that can also create its own table. */
+export interface PostgresStore extends IdempotencyStore {
+  /** Creates the schema, table and index when missing (see {@link migrate}); safe to call at every boot. */
+  migrate (): Promise<void>
+  /** Atomic mode (route option `transaction: true`); see transaction.ts. */
+  claimInTransaction (request: ClaimRequest & { readonly waitMs: number }): Promise<ClaimResult>
+  /** Transactions held open by atomic-mode requests in flight; 0 when idle means no connection leaked. */
+  readonly openTransactions: number
+}
+
+/**
+ * How many rounds one claim may take (see claimRound). Each extra round means another attempt
+ * changed the record meanwhile, or a serialization failure; a handful is already pathological churn.
+ */
+const MAX_CLAIM_ROUNDS = 10
+
+/**
+ * SQLSTATEs after which a statement is simply run again: a serialization failure (40001), raised
+ * instead of a READ COMMITTED re-check when the database or role defaults to REPEATABLE READ or
+ * SERIALIZABLE, and a deadlock (40P01), possible between two purge batches. Neither changed
+ * anything, and every statement here is safe to repeat.
+ */
+const RETRYABLE = new Set(['40001', '40P01'])
+const MAX_STATEMENT_ATTEMPTS = 3
+
+/** A lease token is a UUID; anything else cannot own a record (and would fail the uuid cast). */
+const UUID = /^[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}$/i
+
+/**
+ * The shared source of truth for several app instances: PostgreSQL's primary key on (scope, key)
+ * decides who executes (lease mode: one short statement per decision, no transaction held while
+ * the handler runs). Leases and expiry are measured on the database clock.
+ *
+ * The `sql` client stays the caller's: the store never ends it. Run {@link migrate} (or
+ * `store.migrate()`) once before use, or apply `schema.sql` with your migration tool.
+ *
+ * @example
+ * import postgres from 'postgres'
+ * import idempotency from 'fastify-idempotency'
+ * import { postgresStore } from 'fastify-idempotency/postgres'
+ *
+ * const sql = postgres(process.env.DATABASE_URL)
+ * const store = postgresStore({ sql })
+ * await store.migrate()
+ * await app.register(idempotency, { store, scope: (request) => request.headers['x-account-id'] as string })
+ * // store.close() first (it waits for a background purge in flight), then your client. A timeout,
+ * // because postgres.js 3.4.9's end() never resolves after a connection died mid-query
+ * // (porsager/postgres#1097).
+ * app.addHook('onClose', async () => { await store.close(); await sql.end({ timeout: 5 }) })
+ */
+export function postgresStore (options: PostgresStoreOptions): PostgresStore {
+  const settings = resolveStoreOptions(options)
+  const statements = createStatements(settings.sql, settings)
+  const transactions = createTransactions(settings.sql, settings)
+  let purging: Promise<void> | null = null
+  let closed = false
+
+  const timer = settings.purgeInterval > 0 ? setInterval(purgeInBackground, settings.purgeInterval) : null
+  timer?.unref()
+
+  /** One background purge at a time; an error is dropped (the next tick retries; call purgeExpired() to see it). */
+  function purgeInBackground (): void {
+    if (purging !== null || closed) return
+    purging = purge(Infinity).then(() => {}, () => {}).finally(() => { purging = null })
+  }
+
+  /**
+   * Up to `limit` records, in statements of at most `purgeBatch` each, until one deletes nothing.
+   * Not "until a batch comes back short" (citus-notes 3): a batch also comes back short when a
+   * record it picked was reclaimed meanwhile, while more expired records remain.
+   */
+  async function purge (limit: number): Promise<number> {
+    let total = 0
+    while (total < limit && !closed) {
+      const batch = Math.min(settings.purgeBatch, limit - total)
+      const deleted = await retrying(() => statements.purge(batch))
+      if (deleted === 0) break
+      total += deleted
+    }
+    return total
+  }
+
+  /**
+   * One look at the record and at most one conditional write. Null when the record changed under
+   * it (a row committed after the statement's snapshot, a reclaim or takeover won by another
+   * attempt, or the owner renewed or completed meanwhile): the caller looks again.
+   */
+  async function claimRound (request: ClaimRequest): Promise<ClaimResult | null> {
+    const args = { ...request, token: randomUUID() }
+    const result = await statements.claim(args)
+    if (result === null) return null
+    if (result.acquired) return acquired(request, args.token, false)
+    const record = result.record
+    if (record.expired) {
+      return await statements.reclaim(args, record.token) ? acquired(request, args.token, false) : null
+    }
+    if (record.state === 'in_progress' && record.lapsed && fingerprintsEqual(record.fingerprint, request.fingerprint)) {
+      return await statements.takeover(args, record.token) ? acquired(request, args.token, true) : null
+    }
+    return answer(record)
+  }
+
+  function acquired (request: ClaimRequest, token: string, takeover: boolean): ClaimResult {
+    return { outcome: 'acquired', lease: { scope: request.scope, key: request.key, token }, takeover }
+  }
+
+  function answer (record: ExistingRecord): ClaimResult {
+    return record.state === 'completed' && record.response !== null
+      ? { outcome: 'completed', fingerprint: record.fingerprint, response: record.response }
+      : { outcome: 'in_progress', fingerprint: record.fingerprint, leaseRemainingMs: record.leaseRemainingMs }
+  }
+
+  return {
+    async claim (request: ClaimRequest): Promise<ClaimResult> {
+      let failure: unknown = null
+      for (let round = 0; round < MAX_CLAIM_ROUNDS; round++) {
+        try {
+          const result = await claimRound(request)
+          if (result !== null) return result
+        } catch (err) {
+          if (!retryable(err)) throw err
+          failure = err
+        }
+      }
+      if (failure !== null) throw failure
+      throw new Error(`fastify-idempotency: the postgres store could not settle a claim in ${MAX_CLAIM_ROUNDS} rounds; the record kept changing under it`)
+    },
+
+    claimInTransaction: transactions.claimInTransaction,
+
+    get openTransactions () { return transactions.size },
+
+    async complete (lease: Lease, response: StoredResponse, ttlMs: number): Promise<boolean> {
+      if (transactions.owns(lease.token)) return transactions.commit(lease, response, ttlMs)
+      return UUID.test(lease.token) && retrying(() => statements.complete(lease, response, ttlMs))
+    },
+
+    async release (lease: Lease): Promise<boolean> {
+      if (transactions.owns(lease.token)) return transactions.rollback(lease)
+      return UUID.test(lease.token) && retrying(() => statements.release(lease))
+    },
+
+    // An open transaction holds its record (a crash rolls it back): there is no lease to extend.
+    async renew (lease: Lease, leaseMs: number): Promise<boolean> {
+      if (transactions.owns(lease.token)) return true
+      return UUID.test(lease.token) && retrying(() => statements.renew(lease, leaseMs))
+    },
+
+    async get (id: RecordId): Promise<StoredRecord | null> {
+      const record = await retrying(() => statements.get(id))
+      if (record === null) return null
+      return record.state === 'completed' && record.response !== null
+        ? { state: 'completed', fingerprint: record.fingerprint, response: record.response }
+        : { state: 'in_progress', fingerprint: record.fingerprint, leaseRemainingMs: record.leaseRemainingMs }
+    },
+
+    async purgeExpired (limit: number = settings.purgeBatch): Promise<number> {
+      if (limit !== Infinity && (!Number.isInteger(limit) || limit < 0)) {
+        throw new TypeError(`fastify-idempotency: purgeExpired(limit) takes a non-negative integer or Infinity; received ${String(limit)}`)
+      }
+      return purge(limit)
+    },
+
+    async migrate (): Promise<void> {
+      await migrate(settings.sql, settings)
+    },
+
+    // Waits for a background purge in flight, so nothing of the store's runs on the client after
+    // close() resolves (the caller may end its client right after).
+    async close (): Promise<void> {
+      closed = true
+      if (timer !== null) clearInterval(timer)
+      await purging
+    }
+  }
+}
+
+/**
+ * Runs a statement again after a serialization failure or deadlock. Other errors (PostgresError,
+ * a closed connection) propagate unchanged: the plugin turns them into a 503. Nothing here logs,
+ * and postgres.js keeps the bound parameters (keys, bodies) off the error's enumerable properties
+ * unless the client was created with `debug`.
+ */
+async function retrying<T> (statement: () => Promise<T>): Promise<T> {
+  for (let attempt = 1; ; attempt++) {
+    try {
+      return await statement()
+    } catch (err) {
+      if (attempt >= MAX_STATEMENT_ATTEMPTS || !retryable(err)) throw err
+    }
+  }
+}
+
+function retryable (err: unknown): boolean {
+  const code = (err as { code?: unknown } | null)?.code
+  return typeof code === 'string' && RETRYABLE.has(code)
+}

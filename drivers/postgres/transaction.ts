@@ -1,0 +1,182 @@
+import { randomUUID } from 'node:crypto'
+import type { TransactionSql } from 'postgres'
+import { fingerprintsEqual } from '../../lib/fingerprint.js'
+import type { ClaimRequest, ClaimResult, Lease, StoredResponse } from '../../lib/store.js'
+import type { PostgresClient, ResolvedNames } from './options.js'
+import { createStatements, type Statements } from './statements.js'
+
+/**
+ * Atomic mode: the claim, the handler's writes (through `request.idempotency.sql`) and the recorded
+ * response commit in ONE transaction, or roll back together. The seeds' "critical requirement":
+ * "effect happened but record lost" and "record says done but effect lost" cannot occur, and a
+ * crashed process leaves nothing behind (the server rolls its transaction back).
+ *
+ * The transaction is a postgres.js `sql.begin` whose callback stays pending until the plugin
+ * decides: `complete` writes the response and lets it COMMIT, `release` makes it ROLLBACK. The
+ * connection returns to the pool on every path (postgres.js ends the transaction when the callback
+ * settles, and the plugin settles every claim it acquires: response, error, abort, timeout, hijack).
+ */
+
+type Decision = { readonly response: StoredResponse, readonly ttlMs: number } | null
+
+interface OpenTransaction {
+  /** Hands the decision to the pending transaction; resolves when it has committed or rolled back. */
+  decide (decision: Decision): Promise<void>
+}
+
+/** Thrown inside the transaction to make postgres.js roll it back; never escapes this file. */
+const ROLLBACK = Symbol('rollback')
+
+/** SQLSTATE lock_not_available: lock_timeout fired while blocked on another attempt's uncommitted claim. */
+const LOCK_TIMEOUT = '55P03'
+
+const MAX_CLAIM_ROUNDS = 10
+
+export interface Transactions {
+  claimInTransaction (request: ClaimRequest & { readonly waitMs: number }): Promise<ClaimResult>
+  /** True while `token` owns an open transaction of this store. */
+  owns (token: string): boolean
+  commit (lease: Lease, response: StoredResponse, ttlMs: number): Promise<boolean>
+  rollback (lease: Lease): Promise<boolean>
+  /** How many transactions are open (for tests and metrics: zero when idle means nothing leaked). */
+  readonly size: number
+}
+
+export function createTransactions (sql: PostgresClient, names: ResolvedNames): Transactions {
+  const open = new Map<string, OpenTransaction>()
+
+  function claimInTransaction (request: ClaimRequest & { readonly waitMs: number }): Promise<ClaimResult> {
+    const token = randomUUID()
+    return new Promise<ClaimResult>((resolveClaim, rejectClaim) => {
+      let acquired = false
+      let decide!: (decision: Decision) => void
+      const decided = new Promise<Decision>((resolve) => { decide = resolve })
+
+      const finished = sql.begin(async (tx) => {
+        const statements = createStatements(tx, names)
+        const outcome = await claimWithin(tx, statements, request, token)
+        if (outcome.outcome !== 'acquired') {
+          resolveClaim(outcome)
+          throw ROLLBACK
+        }
+        const guard = guardTransaction(tx)
+        acquired = true
+        resolveClaim({ ...outcome, transaction: guard.sql })
+        const decision = await decided
+        guard.end()
+        if (decision === null) throw ROLLBACK
+        if (!await statements.complete({ scope: request.scope, key: request.key, token }, decision.response, decision.ttlMs)) {
+          throw new Error('fastify-idempotency: the transaction no longer holds its record')
+        }
+      })
+
+      open.set(token, {
+        decide (decision) {
+          decide(decision)
+          return finished.then(() => {}, (err: unknown) => { if (err !== ROLLBACK) throw err })
+        }
+      })
+      finished.then(
+        () => { open.delete(token) },
+        (err: unknown) => {
+          open.delete(token)
+          if (acquired || err === ROLLBACK) return
+          if ((err as { code?: unknown } | null)?.code === LOCK_TIMEOUT) {
+            // Blocked for `waitMs` on an uncommitted claim of the same key: in progress. Its
+            // fingerprint is invisible until it commits, so this one cannot tell 409 from 422;
+            // a retry after the original commits gets the precise answer.
+            resolveClaim({ outcome: 'in_progress', fingerprint: request.fingerprint, leaseRemainingMs: 0 })
+          } else {
+            rejectClaim(err)
+          }
+        }
+      )
+    })
+  }
+
+  async function settle (lease: Lease, decision: Decision): Promise<boolean> {
+    const transaction = open.get(lease.token)
+    if (transaction === undefined) return false
+    open.delete(lease.token)
+    await transaction.decide(decision)
+    return true
+  }
+
+  return {
+    claimInTransaction,
+    owns: (token) => open.has(token),
+    commit: (lease, response, ttlMs) => settle(lease, { response, ttlMs }),
+    rollback: (lease) => settle(lease, null),
+    get size () { return open.size }
+  }
+}
+
+/**
+ * The claim, inside the transaction. `lock_timeout` bounds how long it blocks on another attempt's
+ * uncommitted claim of the same key (the `wait` option; 0 would mean "forever" to PostgreSQL, so
+ * the floor is 1 ms), and is reset right after so the handler's own statements are not affected.
+ * The three statements are pipelined: one round trip.
+ */
+async function claimWithin (
+  tx: TransactionSql<any>,
+  statements: Statements,
+  request: ClaimRequest & { readonly waitMs: number },
+  token: string
+): Promise<ClaimResult> {
+  const args = { ...request, token }
+  const lease = { scope: request.scope, key: request.key, token }
+  for (let round = 0; round < MAX_CLAIM_ROUNDS; round++) {
+    // postgres.js sends a query when it is first awaited: execute() puts this one on the wire
+    // before the claim (whose async function sends its statement as soon as it is called).
+    const setTimeoutQuery = tx`select set_config('lock_timeout', ${`${Math.max(1, request.waitMs)}ms`}, true)`.execute()
+    const [, result] = await Promise.all([
+      setTimeoutQuery,
+      statements.claim(args),
+      tx`set local lock_timeout to default`
+    ])
+    if (result === null) continue
+    if (result.acquired) return { outcome: 'acquired', lease, takeover: false }
+    const record = result.record
+    if (record.expired) {
+      if (await statements.reclaim(args, record.token)) return { outcome: 'acquired', lease, takeover: false }
+      continue
+    }
+    if (record.state === 'in_progress' && record.lapsed && fingerprintsEqual(record.fingerprint, request.fingerprint)) {
+      if (await statements.takeover(args, record.token)) return { outcome: 'acquired', lease, takeover: true }
+      continue
+    }
+    return record.state === 'completed' && record.response !== null
+      ? { outcome: 'completed', fingerprint: record.fingerprint, response: record.response }
+      : { outcome: 'in_progress', fingerprint: record.fingerprint, leaseRemainingMs: record.leaseRemainingMs }
+  }
+  throw new Error(`fastify-idempotency: the postgres store could not settle a claim in ${MAX_CLAIM_ROUNDS} rounds`)
+}
+
+/**
+ * postgres.js keeps running queries on a transaction handle after its transaction ended, in
+ * autocommit: a handler still writing after a rollback (its client went away) would commit those
+ * writes outside any transaction. The handle given to the handler refuses everything once ended.
+ */
+function guardTransaction (tx: TransactionSql<any>): { sql: TransactionSql<any>, end: () => void } {
+  let ended = false
+  const check = (): void => {
+    if (ended) {
+      throw new Error("fastify-idempotency: this request's transaction has ended (committed or rolled back); run no more queries through request.idempotency.sql")
+    }
+  }
+  const sql = new Proxy(tx, {
+    apply (target, thisArg, args) {
+      check()
+      return Reflect.apply(target as unknown as (...a: unknown[]) => unknown, thisArg, args)
+    },
+    get (target, property, receiver) {
+      const value: unknown = Reflect.get(target, property, receiver)
+      if (typeof value !== 'function') return value
+      return (...args: unknown[]) => {
+        check()
+        return (value as (...a: unknown[]) => unknown).apply(target, args)
+      }
+    }
+  })
+  return { sql, end: () => { ended = true } }
+}
