@@ -1,0 +1,72 @@
+import type { Cluster, Redis } from 'ioredis'
+import { InvalidOptionError } from '../../lib/errors.js'
+
+export interface RedisPrefilterOptions {
+  /**
+   * An ioredis `Redis` or `Cluster`. It stays yours: the pre-filter defines its three scripts on it
+   * (once, see scripts.ts) and never quits it. For the fail-open promise to hold during an outage,
+   * configure it not to queue commands forever (e.g. `enableOfflineQueue: false`); `timeout` bounds
+   * each call regardless.
+   */
+  client: Redis | Cluster
+  /**
+   * Namespace of every key the pre-filter writes (`${prefix}:{tag}`). Without braces: a brace would
+   * move the cluster hash tag into the prefix and put every record in one slot.
+   * @defaultValue 'idem'
+   */
+  prefix?: string
+  /**
+   * Longest wait for one Redis operation, in ms; a slower answer rejects with
+   * `FST_IDEMPOTENCY_PREFILTER_TIMEOUT`, and the request falls through to the store. Keep it well
+   * below a store round trip: a pre-filter slower than the store only adds latency.
+   * @defaultValue 50
+   */
+  timeout?: number
+}
+
+export interface ResolvedPrefilterOptions {
+  readonly client: Redis | Cluster
+  readonly prefix: string
+  readonly timeout: number
+}
+
+const MAX_TIMEOUT = 2_147_483_647 // setTimeout's ceiling; longer delays fire at once
+const MAX_PREFIX_LENGTH = 256
+
+export function resolvePrefilterOptions (options: RedisPrefilterOptions): ResolvedPrefilterOptions {
+  if (options === null || typeof options !== 'object') {
+    throw new InvalidOptionError('redisPrefilter options', 'an object with at least { client }', options)
+  }
+  return Object.freeze({
+    client: resolveClient(options.client),
+    prefix: resolvePrefix(options.prefix),
+    timeout: resolveTimeout(options.timeout)
+  })
+}
+
+function resolveClient (client: unknown): Redis | Cluster {
+  const candidate = client as { defineCommand?: unknown, hgetallBuffer?: unknown } | null
+  if (candidate === null || typeof candidate !== 'object' ||
+      typeof candidate.defineCommand !== 'function' || typeof candidate.hgetallBuffer !== 'function') {
+    throw new InvalidOptionError('redisPrefilter option "client"', 'an ioredis Redis or Cluster instance', client)
+  }
+  return client as Redis | Cluster
+}
+
+function resolvePrefix (prefix: unknown): string {
+  if (prefix === undefined) return 'idem'
+  if (typeof prefix !== 'string' || prefix.length === 0 || prefix.length > MAX_PREFIX_LENGTH ||
+      prefix.includes('{') || prefix.includes('}')) {
+    throw new InvalidOptionError('redisPrefilter option "prefix"',
+      `a non-empty string of at most ${MAX_PREFIX_LENGTH} characters without braces`, prefix)
+  }
+  return prefix
+}
+
+function resolveTimeout (timeout: unknown): number {
+  if (timeout === undefined) return 50
+  if (typeof timeout !== 'number' || !Number.isInteger(timeout) || timeout < 1 || timeout > MAX_TIMEOUT) {
+    throw new InvalidOptionError('redisPrefilter option "timeout"', `an integer number of ms from 1 to ${MAX_TIMEOUT}`, timeout)
+  }
+  return timeout
+}

@@ -1,0 +1,136 @@
+import type { IdempotencyPrefilter, PrefilterHit } from '../../lib/prefilter.js'
+import type { Fingerprint, RecordId, StoredResponse } from '../../lib/store.js'
+import { PrefilterClosedError, PrefilterTimeoutError } from './errors.js'
+import { FIELD, recordKey } from './keys.js'
+import { resolvePrefilterOptions, type RedisPrefilterOptions } from './options.js'
+import { COMMAND, defineScripts } from './scripts.js'
+
+/**
+ * The Redis pre-filter (issue 4): answers duplicates from Redis during retry storms and never
+ * decides who executes. Every method is one command or one Lua script on one hash, bounded by
+ * `timeout`; anything that goes wrong rejects, and the core reads a rejection as a miss.
+ */
+export function redisPrefilter (options: RedisPrefilterOptions): IdempotencyPrefilter {
+  const { client, prefix, timeout } = resolvePrefilterOptions(options)
+  const scripts = defineScripts(client)
+  /** Rejecters of operations still waiting, so close() can settle them and stop their timers. */
+  const pending = new Set<(error: Error) => void>()
+  let closed = false
+
+  /**
+   * Runs one Redis call with a deadline. The call's own promise always gets both handlers attached,
+   * so a reply (or failure) arriving after the deadline is consumed, never an unhandled rejection.
+   */
+  function bounded<T> (operation: string, call: () => Promise<T>): Promise<T> {
+    if (closed) return Promise.reject(new PrefilterClosedError(operation))
+    return new Promise<T>((resolve, reject) => {
+      const settle = (error: Error): void => {
+        clearTimeout(timer)
+        pending.delete(settle)
+        reject(error)
+      }
+      const timer = setTimeout(() => settle(new PrefilterTimeoutError(operation, timeout)), timeout)
+      // The deadline must not keep a process alive on its own.
+      timer.unref()
+      pending.add(settle)
+      let reply: Promise<T>
+      try {
+        reply = call()
+      } catch (error) {
+        // ioredis may throw synchronously (e.g. a bad argument): same outcome as a failed reply.
+        settle(error as Error)
+        return
+      }
+      reply.then((value) => {
+        clearTimeout(timer)
+        pending.delete(settle)
+        resolve(value) // a no-op when the deadline already rejected
+      }, (error: unknown) => settle(error instanceof Error ? error : new Error(String(error))))
+    })
+  }
+
+  return {
+    async lookup (id) {
+      // One HGETALL is atomic: a half-written record can never be seen (scripts write in one go).
+      // The Buffer variant keeps digests and bodies byte-identical.
+      const fields = await bounded('lookup', () => client.hgetallBuffer(recordKey(prefix, id)))
+      return parseHit(fields)
+    },
+
+    async markInFlight (id, fingerprint, ttlMs) {
+      const ttl = ttlOf('markInFlight', ttlMs)
+      if (ttl === 0) return // nothing would outlive the lease: holding no marker is the safe side
+      await bounded('markInFlight', () =>
+        scripts[COMMAND.mark](recordKey(prefix, id), fingerprint.algorithm, fingerprint.digest, ttl))
+    },
+
+    async clearInFlight (id) {
+      await bounded('clearInFlight', () => scripts[COMMAND.clear](recordKey(prefix, id)))
+    },
+
+    async remember (id, fingerprint, response, ttlMs) {
+      const ttl = ttlOf('remember', ttlMs)
+      if (ttl === 0) return // the store's record is about to expire: a copy must not outlive it
+      const retained = response.body !== null
+      await bounded('remember', () => scripts[COMMAND.remember](
+        recordKey(prefix, id), fingerprint.algorithm, fingerprint.digest, response.statusCode,
+        JSON.stringify(response.headers), retained ? '1' : '0', response.body ?? EMPTY, ttl))
+    },
+
+    async close () {
+      // The client is the user's: only our own deadlines stop, and waiting calls reject.
+      closed = true
+      for (const settle of [...pending]) settle(new PrefilterClosedError('close'))
+    }
+  }
+}
+
+const EMPTY = Buffer.alloc(0)
+
+/**
+ * Whole milliseconds, rounded down so a copy never outlives what it mirrors; 0 means "do not
+ * write". A non-number is a caller bug and rejects.
+ */
+function ttlOf (operation: string, ttlMs: number): number {
+  if (typeof ttlMs !== 'number' || Number.isNaN(ttlMs)) {
+    throw new TypeError(`fastify-idempotency: redis pre-filter ${operation}() needs a ttl in ms; received ${String(ttlMs)}`)
+  }
+  return Math.max(0, Math.floor(Math.min(ttlMs, Number.MAX_SAFE_INTEGER)))
+}
+
+/**
+ * Turns the hash back into a hit. Anything unexpected (a hash someone else wrote under our prefix,
+ * a record from an incompatible version) reads as a miss: the store then answers, which is always
+ * correct, whereas replaying a half-understood record would not be.
+ */
+function parseHit (fields: Record<string, Buffer>): PrefilterHit | null {
+  const state = fields[FIELD.state]?.toString()
+  const algorithm = fields[FIELD.algorithm]?.toString()
+  const digest = fields[FIELD.digest]
+  if (algorithm === undefined || digest === undefined) return null
+  const fingerprint: Fingerprint = { algorithm, digest }
+  if (state === 'in_progress') return { state, fingerprint }
+  if (state !== 'completed') return null
+
+  const statusCode = Number(fields[FIELD.status]?.toString())
+  if (!Number.isInteger(statusCode) || statusCode < 100 || statusCode > 999) return null
+  const headers = parseHeaders(fields[FIELD.headers])
+  if (headers === null) return null
+  const response: StoredResponse = { statusCode, headers, body: fields[FIELD.body] ?? null }
+  return { state, fingerprint, response }
+}
+
+function parseHeaders (raw: Buffer | undefined): Record<string, string | string[]> | null {
+  if (raw === undefined) return null
+  let value: unknown
+  try {
+    value = JSON.parse(raw.toString())
+  } catch {
+    return null
+  }
+  if (value === null || typeof value !== 'object' || Array.isArray(value)) return null
+  for (const item of Object.values(value)) {
+    if (typeof item !== 'string' && !(Array.isArray(item) && item.every((part) => typeof part === 'string'))) return null
+  }
+  return value as Record<string, string | string[]>
+}

@@ -1,0 +1,80 @@
+import type { Cluster, Redis } from 'ioredis'
+
+/**
+ * The Lua scripts behind markInFlight, clearInFlight and remember. Each touches one key (KEYS[1],
+ * the record's hash, see keys.ts), so Redis runs it atomically and Cluster routes it to one slot.
+ * Field names match FIELD in keys.ts.
+ */
+
+/** Command names the scripts are registered under on the user's client. */
+export const COMMAND = Object.freeze({
+  mark: 'idempotencyMark',
+  clear: 'idempotencyClear',
+  remember: 'idempotencyRemember'
+})
+
+/** KEYS[1] = record hash; ARGV = algorithm, digest (bytes), ttl ms. Returns 1 if written, 0 if not. */
+const MARK = `
+-- A completed record is never replaced by a marker: it must keep replaying (and a marker over it
+-- would turn replays into 409s for a whole lease).
+if redis.call('HGET', KEYS[1], 'state') == 'completed' then return 0 end
+-- Start from an empty hash, so no field of an older marker survives.
+redis.call('DEL', KEYS[1])
+-- The marker: state plus the owner's fingerprint, so a duplicate with another request gets 422.
+redis.call('HSET', KEYS[1], 'state', 'in_progress', 'alg', ARGV[1], 'digest', ARGV[2])
+-- Bounded by the owner's lease: a stale marker (crashed owner) delays retries at most this long.
+redis.call('PEXPIRE', KEYS[1], ARGV[3])
+return 1
+`
+
+/** KEYS[1] = record hash. Returns 1 if a marker was deleted, 0 otherwise. */
+const CLEAR = `
+-- Only a marker goes; a completed record copied in meanwhile keeps replaying.
+if redis.call('HGET', KEYS[1], 'state') == 'in_progress' then
+  -- DEL returns 1: the marker existed and is gone.
+  return redis.call('DEL', KEYS[1])
+end
+-- Nothing, or a completed record: left alone.
+return 0
+`
+
+/**
+ * KEYS[1] = record hash; ARGV = algorithm, digest (bytes), status code, headers (JSON),
+ * retained ('1' or '0'), body (bytes; empty when not retained), ttl ms.
+ */
+const REMEMBER = `
+-- Replace whatever is there (usually the owner's marker) as one unit.
+redis.call('DEL', KEYS[1])
+-- The committed record and the fingerprint it answers for (a mismatch must still get 422).
+redis.call('HSET', KEYS[1], 'state', 'completed', 'alg', ARGV[1], 'digest', ARGV[2], 'status', ARGV[3], 'headers', ARGV[4])
+-- The body only when the store retained it; a missing field means "not retained" (null body),
+-- which is distinct from an empty body (a present, empty field).
+if ARGV[5] == '1' then redis.call('HSET', KEYS[1], 'body', ARGV[6]) end
+-- Never outlive the store's record: ttl is at most its remaining retention.
+redis.call('PEXPIRE', KEYS[1], ARGV[7])
+return 1
+`
+
+type Reply = Promise<unknown>
+
+/** The user's client once the scripts are defined on it. */
+export interface ScriptedClient {
+  [COMMAND.mark]: (key: string, algorithm: string, digest: Buffer, ttlMs: number) => Reply
+  [COMMAND.clear]: (key: string) => Reply
+  [COMMAND.remember]: (key: string, algorithm: string, digest: Buffer, status: number, headers: string,
+    retained: '1' | '0', body: Buffer, ttlMs: number) => Reply
+}
+
+/**
+ * Defines the scripts on `client` unless it already has commands by these names (another
+ * pre-filter on the same client defined them: defining again would only re-hash the same Lua;
+ * rate-limit's Redis store pattern). ioredis runs them with EVALSHA and falls back to EVAL after a
+ * NOSCRIPT (e.g. after SCRIPT FLUSH or on a fresh cluster node).
+ */
+export function defineScripts (client: Redis | Cluster): ScriptedClient {
+  const commands = client as unknown as Record<string, unknown>
+  for (const [name, lua] of [[COMMAND.mark, MARK], [COMMAND.clear, CLEAR], [COMMAND.remember, REMEMBER]] as const) {
+    if (typeof commands[name] !== 'function') client.defineCommand(name, { numberOfKeys: 1, lua })
+  }
+  return client as unknown as ScriptedClient
+}

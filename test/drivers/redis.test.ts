@@ -1,0 +1,344 @@
+import { createHash, randomBytes } from 'node:crypto'
+import { createServer, connect, type AddressInfo, type Server, type Socket } from 'node:net'
+import { Cluster, Redis } from 'ioredis'
+import t, { type Test } from 'tap'
+import { InvalidOptionError } from '../../lib/errors.js'
+import type { IdempotencyPrefilter } from '../../lib/prefilter.js'
+import type { Fingerprint, RecordId, StoredResponse } from '../../lib/store.js'
+import { redisPrefilter } from '../../drivers/redis/index.js'
+import { recordKey } from '../../drivers/redis/keys.js'
+
+/**
+ * The Redis pre-filter against real servers: one standalone (REDIS_URL) and a 3-master cluster
+ * (REDIS_CLUSTER_NODES); `node scripts/test.mjs test/drivers/redis.test.ts` provisions both. Every
+ * test writes under a random prefix of its own.
+ */
+
+const REDIS_URL = process.env.REDIS_URL ?? ''
+const CLUSTER_NODES = process.env.REDIS_CLUSTER_NODES ?? ''
+
+const fp = (text: string, algorithm = 'canonical-v1'): Fingerprint => ({ algorithm, digest: createHash('sha256').update(text).digest() })
+const A = fp('request A')
+const sleep = (ms: number): Promise<void> => new Promise((resolve) => setTimeout(resolve, ms))
+const newPrefix = (): string => `idemtest-${randomBytes(6).toString('hex')}`
+const binary = Buffer.from([0x00, 0xff, 0x7b, 0x7d, 0x0a, 0x00, 0xfe, 0x80])
+const RESPONSE: StoredResponse = {
+  statusCode: 201,
+  headers: { 'content-type': 'application/octet-stream', 'set-cookie': ['a=1', 'b="2"'], 'x-empty': '' },
+  body: binary
+}
+const LONG = 60_000
+
+let unhandled = 0
+process.on('unhandledRejection', () => { unhandled++ })
+
+if (REDIS_URL === '' || CLUSTER_NODES === '') {
+  t.fail('REDIS_URL and REDIS_CLUSTER_NODES must be set: the Redis pre-filter tests need a standalone Redis and a ' +
+    'Redis Cluster. Run `node scripts/test.mjs test/drivers/redis.test.ts` (it starts throwaway servers and sets both), ' +
+    'or set REDIS_URL=redis://… and REDIS_CLUSTER_NODES=host:port,host:port,host:port.')
+} else {
+  const nodes = CLUSTER_NODES.split(',').map((node) => {
+    const [host = '127.0.0.1', port = ''] = node.split(':')
+    return { host, port: Number(port) }
+  })
+  const standalone = new Redis(REDIS_URL)
+  const cluster = new Cluster(nodes)
+  t.teardown(() => {
+    standalone.disconnect()
+    cluster.disconnect()
+  })
+  t.test('standalone', async (t) => { suite(t, standalone) })
+  t.test('cluster', async (t) => { suite(t, cluster) })
+  t.test('standalone only', async (t) => { standaloneOnly(t, standalone) })
+  t.test('cluster only', async (t) => { clusterOnly(t, cluster) })
+  t.test('options', async (t) => { optionTests(t, standalone) })
+  t.test('no unhandled rejection', async (t) => {
+    await sleep(400) // late replies from the timeout tests have arrived by now
+    t.equal(unhandled, 0)
+  })
+}
+
+function suite (t: Test, client: Redis | Cluster): void {
+  const make = (): { pf: IdempotencyPrefilter, prefix: string } => {
+    const prefix = newPrefix()
+    return { pf: redisPrefilter({ client, prefix, timeout: 2000 }), prefix }
+  }
+  const id = (key: string, scope = 'tenant'): RecordId => ({ scope, key })
+
+  t.test('a miss is null', async (t) => {
+    const { pf } = make()
+    t.equal(await pf.lookup(id('nothing')), null)
+  })
+
+  t.test('markInFlight then lookup: in_progress with the fingerprint', async (t) => {
+    const { pf } = make()
+    const digest = Buffer.from([0x00, 0xff, 0x00, 0x01])
+    await pf.markInFlight(id('k'), { algorithm: 'raw-v1', digest }, LONG)
+    const hit = await pf.lookup(id('k'))
+    t.equal(hit?.state, 'in_progress')
+    t.equal(hit?.fingerprint.algorithm, 'raw-v1')
+    t.ok(hit?.fingerprint.digest.equals(digest))
+  })
+
+  t.test('remember then lookup: completed, byte-identical', async (t) => {
+    const { pf } = make()
+    const cases: Array<[string, StoredResponse]> = [
+      ['binary', RESPONSE],
+      ['empty', { statusCode: 204, headers: {}, body: Buffer.alloc(0) }],
+      ['null', { statusCode: 200, headers: { 'content-type': 'text/plain' }, body: null }]
+    ]
+    for (const [key, response] of cases) {
+      await pf.markInFlight(id(key), A, LONG)
+      await pf.remember(id(key), A, response, LONG)
+      const hit = await pf.lookup(id(key))
+      if (hit?.state !== 'completed') {
+        t.fail(`${key}: expected completed, got ${String(hit?.state)}`)
+        continue
+      }
+      t.equal(hit.fingerprint.algorithm, A.algorithm, key)
+      t.ok(hit.fingerprint.digest.equals(A.digest), key)
+      t.equal(hit.response.statusCode, response.statusCode, key)
+      t.same(hit.response.headers, response.headers, key)
+      t.same(Object.keys(hit.response.headers), Object.keys(response.headers), `${key}: header order`)
+      if (response.body === null) t.equal(hit.response.body, null, `${key}: null body stays null`)
+      else t.ok(Buffer.isBuffer(hit.response.body) && hit.response.body.equals(response.body), `${key}: body bytes`)
+    }
+  })
+
+  t.test('markInFlight never overwrites a completed record', async (t) => {
+    const { pf } = make()
+    await pf.remember(id('k'), A, RESPONSE, LONG)
+    await pf.markInFlight(id('k'), fp('other'), LONG)
+    const hit = await pf.lookup(id('k'))
+    t.equal(hit?.state, 'completed')
+    t.ok(hit?.fingerprint.digest.equals(A.digest))
+  })
+
+  t.test('clearInFlight removes a marker, not a completed record', async (t) => {
+    const { pf } = make()
+    await pf.markInFlight(id('marker'), A, LONG)
+    await pf.clearInFlight(id('marker'))
+    t.equal(await pf.lookup(id('marker')), null)
+    await pf.remember(id('done'), A, RESPONSE, LONG)
+    await pf.clearInFlight(id('done'))
+    t.equal((await pf.lookup(id('done')))?.state, 'completed')
+    await pf.clearInFlight(id('absent')) // nothing there: no error
+  })
+
+  t.test('TTLs bound the marker and the record, which then disappear', async (t) => {
+    const { pf, prefix } = make()
+    await pf.markInFlight(id('marker'), A, 80)
+    await pf.remember(id('record'), A, RESPONSE, 80)
+    for (const key of ['marker', 'record']) {
+      const pttl = await client.pttl(recordKey(prefix, id(key)))
+      t.ok(pttl > 0 && pttl <= 80, `${key}: PTTL ${pttl} within (0, 80]`)
+    }
+    // remember replacing a long marker takes the record's (shorter) ttl
+    await pf.markInFlight(id('replaced'), A, LONG)
+    await pf.remember(id('replaced'), A, RESPONSE, 80)
+    const pttl = await client.pttl(recordKey(prefix, id('replaced')))
+    t.ok(pttl > 0 && pttl <= 80, `replaced: PTTL ${pttl} within (0, 80]`)
+    await sleep(150)
+    for (const key of ['marker', 'record', 'replaced']) {
+      t.equal(await pf.lookup(id(key)), null, `${key} expired`)
+      t.equal(await client.exists(recordKey(prefix, id(key))), 0, `${key} gone from Redis`)
+    }
+    // a ttl of 0 or less writes nothing (a copy must not outlive its original)
+    await pf.remember(id('zero'), A, RESPONSE, 0)
+    await pf.markInFlight(id('zero'), A, -5)
+    t.equal(await pf.lookup(id('zero')), null)
+  })
+
+  t.test('scopes and keys are isolated, whatever their characters', async (t) => {
+    const { pf } = make()
+    const ids: RecordId[] = [
+      { scope: 'a', key: 'b:c' }, { scope: 'a:b', key: 'c' }, { scope: '', key: 'ab' }, { scope: 'ab', key: '' },
+      { scope: 'a', key: 'b' }, { scope: '1:a', key: 'b' }, { scope: 'a"', key: "'b" }, { scope: 'a', key: '"\'b' },
+      { scope: '{x}', key: '{y}' }, { scope: '{x}{', key: 'y}' }, { scope: '}', key: '{' },
+      { scope: 'é', key: 'ü🙂' }, { scope: 'e\u0301', key: 'ü🙂' }, { scope: '\ud800', key: 'x' }, { scope: '\ud801', key: 'x' },
+      { scope: ']]--', key: "'); redis.call('FLUSHALL') --" }, { scope: '%s\0*?[', key: '\r\n*1\r\n$4\r\nPING\r\n' }
+    ]
+    for (const [index, record] of ids.entries()) {
+      await pf.remember(record, A, { statusCode: 200, headers: {}, body: Buffer.from(`body ${index}`) }, LONG)
+    }
+    for (const [index, record] of ids.entries()) {
+      const hit = await pf.lookup(record)
+      t.equal(hit?.state === 'completed' ? hit.response.body?.toString() : undefined, `body ${index}`, JSON.stringify(record))
+    }
+    // another prefix sees none of it
+    t.equal(await make().pf.lookup(ids[0]!), null)
+  })
+
+  t.test('two prefilters on one client define the scripts once', async (t) => {
+    const prefix = newPrefix()
+    const first = redisPrefilter({ client, prefix })
+    const original = client.defineCommand
+    let calls = 0
+    client.defineCommand = function (this: unknown, name: string, definition: { lua: string, numberOfKeys?: number }) {
+      calls++
+      original.call(client, name, definition)
+    } as typeof client.defineCommand
+    try {
+      const second = redisPrefilter({ client, prefix, timeout: 2000 })
+      t.equal(calls, 0)
+      await second.markInFlight({ scope: 's', key: 'k' }, A, LONG)
+      t.equal((await first.lookup({ scope: 's', key: 'k' }))?.state, 'in_progress')
+      await first.close()
+      await second.close()
+    } finally {
+      client.defineCommand = original
+    }
+  })
+
+  t.test('close() resolves, leaves the client alone, and later calls reject', async (t) => {
+    const { pf } = make()
+    await pf.close()
+    await t.rejects(pf.lookup(id('k')), { code: 'FST_IDEMPOTENCY_PREFILTER_CLOSED' })
+    t.equal(await client.ping(), 'PONG')
+  })
+}
+
+function standaloneOnly (t: Test, client: Redis): void {
+  t.test('FLUSHALL loses everything: lookups miss', async (t) => {
+    const pf = redisPrefilter({ client, prefix: newPrefix(), timeout: 2000 })
+    await pf.remember({ scope: 's', key: 'k' }, A, RESPONSE, LONG)
+    await client.flushall()
+    t.equal(await pf.lookup({ scope: 's', key: 'k' }), null)
+    // and the scripts still run (ioredis falls back to EVAL if the script cache went too)
+    await client.script('FLUSH')
+    await pf.markInFlight({ scope: 's', key: 'k' }, A, LONG)
+    t.equal((await pf.lookup({ scope: 's', key: 'k' }))?.state, 'in_progress')
+  })
+
+  t.test('a Redis slower than timeout: every operation rejects in about timeout ms', async (t) => {
+    const proxy = await delayingProxy(client.options.port ?? 6379, client.options.host ?? '127.0.0.1')
+    const slow = new Redis({ host: '127.0.0.1', port: proxy.port, maxRetriesPerRequest: 0, retryStrategy: () => null })
+    slow.on('error', () => {})
+    t.teardown(async () => {
+      slow.disconnect()
+      await proxy.close()
+    })
+    await slow.ping() // connected before the delay starts
+    const pf = redisPrefilter({ client: slow, prefix: newPrefix(), timeout: 50 })
+    proxy.delay = 300
+    const operations: Array<[string, () => Promise<unknown>]> = [
+      ['lookup', () => pf.lookup({ scope: 's', key: 'k' })],
+      ['markInFlight', () => pf.markInFlight({ scope: 's', key: 'k' }, A, LONG)],
+      ['clearInFlight', () => pf.clearInFlight({ scope: 's', key: 'k' })],
+      ['remember', () => pf.remember({ scope: 's', key: 'k' }, A, RESPONSE, LONG)]
+    ]
+    for (const [name, run] of operations) {
+      const started = Date.now()
+      await t.rejects(run(), { code: 'FST_IDEMPOTENCY_PREFILTER_TIMEOUT' }, name)
+      const elapsed = Date.now() - started
+      t.ok(elapsed >= 45 && elapsed < 200, `${name} rejected after ${elapsed} ms`)
+    }
+    // a late failure (the connection dies before the slow replies arrive) stays handled too
+    const late = pf.lookup({ scope: 's', key: 'late' })
+    await t.rejects(late, { code: 'FST_IDEMPOTENCY_PREFILTER_TIMEOUT' })
+    proxy.destroyAll()
+  })
+
+  t.test('a stopped Redis: operations reject quickly', async (t) => {
+    const port = await closedPort()
+    const dead = new Redis({ host: '127.0.0.1', port, maxRetriesPerRequest: 0, enableOfflineQueue: false, retryStrategy: () => null, lazyConnect: true })
+    dead.on('error', () => {})
+    t.teardown(() => dead.disconnect())
+    await dead.connect().catch(() => {})
+    const pf = redisPrefilter({ client: dead, prefix: newPrefix(), timeout: 1000 })
+    const runs: Array<() => Promise<unknown>> = [
+      () => pf.lookup({ scope: 's', key: 'k' }),
+      () => pf.markInFlight({ scope: 's', key: 'k' }, A, LONG),
+      () => pf.clearInFlight({ scope: 's', key: 'k' }),
+      () => pf.remember({ scope: 's', key: 'k' }, A, RESPONSE, LONG)
+    ]
+    for (const run of runs) {
+      const started = Date.now()
+      await t.rejects(run())
+      t.ok(Date.now() - started < 100, `rejected after ${Date.now() - started} ms`)
+    }
+  })
+}
+
+function clusterOnly (t: Test, cluster: Cluster): void {
+  t.test('keys spread over several masters, and every operation works', async (t) => {
+    const prefix = newPrefix()
+    const pf = redisPrefilter({ client: cluster, prefix, timeout: 2000 })
+    const masters = cluster.nodes('master')
+    t.ok(masters.length >= 3, `${masters.length} masters`)
+    const used = new Set<string>()
+    for (let i = 0; i < 30; i++) {
+      const record = { scope: `tenant-${i % 3}`, key: `key-${i}` }
+      await pf.markInFlight(record, A, LONG)
+      t.equal((await pf.lookup(record))?.state, 'in_progress')
+      await pf.clearInFlight(record)
+      await pf.markInFlight(record, A, LONG)
+      await pf.remember(record, A, RESPONSE, LONG)
+      const hit = await pf.lookup(record)
+      t.ok(hit?.state === 'completed' && hit.response.body?.equals(binary), `record ${i} replays`)
+      for (const master of masters) {
+        // a master that does not own the slot answers MOVED: the record is elsewhere
+        if (await master.exists(recordKey(prefix, record)).catch(() => 0) === 1) used.add(`${master.options.host}:${master.options.port}`)
+      }
+    }
+    t.ok(used.size >= 2, `records live on ${used.size} masters`)
+  })
+}
+
+function optionTests (t: Test, client: Redis): void {
+  const invalid: Array<[string, unknown]> = [
+    ['client', {}], ['client', null], ['prefix', ''], ['prefix', 'a{b'], ['prefix', 'a}'], ['prefix', 3],
+    ['timeout', 0], ['timeout', 1.5], ['timeout', '50'], ['timeout', Infinity]
+  ]
+  for (const [option, value] of invalid) {
+    const options = { client, [option]: value } as unknown as Parameters<typeof redisPrefilter>[0]
+    t.throws(() => redisPrefilter(options), InvalidOptionError, `${option}: ${String(value)}`)
+    try {
+      redisPrefilter(options)
+    } catch (error) {
+      t.match((error as Error).message, option, `the message names ${option}`)
+    }
+  }
+  t.throws(() => redisPrefilter(undefined as unknown as Parameters<typeof redisPrefilter>[0]), InvalidOptionError)
+}
+
+/** A TCP proxy in front of Redis that holds every reply for `delay` ms. */
+async function delayingProxy (targetPort: number, targetHost: string): Promise<{
+  port: number, delay: number, destroyAll: () => void, close: () => Promise<void>
+}> {
+  const sockets = new Set<Socket>()
+  const state = { delay: 0 }
+  const server: Server = createServer((inbound) => {
+    const outbound = connect(targetPort, targetHost)
+    sockets.add(inbound).add(outbound)
+    inbound.on('error', () => {})
+    outbound.on('error', () => {})
+    inbound.pipe(outbound)
+    outbound.on('data', (chunk: Buffer) => {
+      if (state.delay === 0) inbound.write(chunk)
+      else setTimeout(() => { if (!inbound.destroyed) inbound.write(chunk) }, state.delay)
+    })
+    inbound.on('close', () => outbound.destroy())
+    outbound.on('close', () => inbound.destroy())
+  })
+  await new Promise<void>((resolve) => server.listen(0, '127.0.0.1', resolve))
+  return {
+    port: (server.address() as AddressInfo).port,
+    get delay () { return state.delay },
+    set delay (ms: number) { state.delay = ms },
+    destroyAll () { for (const socket of sockets) socket.destroy() },
+    close: async () => {
+      for (const socket of sockets) socket.destroy()
+      await new Promise<void>((resolve) => server.close(() => resolve()))
+    }
+  }
+}
+
+/** A loopback port nothing listens on. */
+async function closedPort (): Promise<number> {
+  const server = createServer()
+  await new Promise<void>((resolve) => server.listen(0, '127.0.0.1', resolve))
+  const { port } = server.address() as AddressInfo
+  await new Promise<void>((resolve) => server.close(() => resolve()))
+  return port
+}
