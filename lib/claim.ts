@@ -5,6 +5,7 @@ import {
   canonicalFingerprint, customFingerprint, finishRawHash, fingerprintsEqual, startRawHash
 } from './fingerprint.js'
 import { renewWhileRunning } from './lease.js'
+import { consultPrefilter, markInFlight } from './prefiltering.js'
 import { abandon } from './settle.js'
 import type { ClaimRequest, ClaimResult, Fingerprint, StoredResponse } from './store.js'
 import { withTimeout } from './timeout.js'
@@ -35,6 +36,23 @@ export async function claimKey (engine: Engine, request: FastifyRequest, reply: 
   const deadline = settings.wait > 0 ? Date.now() + settings.wait : 0
   let poll = FIRST_POLL_MS
   for (;;) {
+    const hit = await consultPrefilter(engine, state)
+    if (hit !== null) {
+      if (!fingerprintsEqual(hit.fingerprint, fingerprint)) {
+        state.log.info(decision(state, 'mismatch'), 'idempotency: key reused with a different request (pre-filter)')
+        return answer(engine, state, reply, { kind: 'key-reused' })
+      }
+      if (hit.state === 'completed') return replay(engine, reply, state, hit.response)
+      const remaining = deadline - Date.now()
+      if (remaining <= 0) {
+        state.log.info(decision(state, 'conflict'), 'idempotency: original request still in progress (pre-filter)')
+        return answer(engine, state, reply, { kind: 'request-in-progress', retryAfter: settings.retryAfter })
+      }
+      await engine.waiters.wait(localId(scope, state.key), Math.min(poll, remaining))
+      poll = Math.min(poll * 2, MAX_POLL_MS)
+      continue
+    }
+
     let result
     try {
       if (settings.transaction) {
@@ -52,6 +70,7 @@ export async function claimKey (engine: Engine, request: FastifyRequest, reply: 
       state.phase = 'owner'
       if (result.takeover) state.log.warn(decision(state, 'taken_over'), 'idempotency: took over an abandoned in-progress key')
       else state.log.debug(decision(state, 'executed'), 'idempotency: key claimed')
+      markInFlight(engine, state, fingerprint)
       if (result.transaction !== undefined) {
         // Atomic mode: the open transaction holds the record, and a crash rolls it back; no lease to renew.
         state.transactional = true

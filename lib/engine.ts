@@ -1,12 +1,14 @@
 import type { FastifyReply } from 'fastify'
 import type { RequestState } from './context.js'
 import { sendProblem, type ProblemAnswer, type ProblemBodies, type ProblemOptions } from './problems.js'
+import type { IdempotencyPrefilter } from './prefilter.js'
 import type { IdempotencyStore } from './store.js'
 import type { Waiters } from './waiters.js'
 
 /** What every hook of one plugin registration shares. */
 export interface Engine {
   readonly store: IdempotencyStore
+  readonly prefilter: IdempotencyPrefilter | null
   readonly waiters: Waiters
   readonly problems: ProblemBodies
   readonly problemOptions: ProblemOptions

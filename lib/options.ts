@@ -3,6 +3,7 @@ import { InvalidOptionError } from './errors.js'
 import type { FingerprintFunction, FingerprintOption } from './fingerprint.js'
 import { DEFAULT_REPLAY_HEADERS, NEVER_REPLAYED } from './headers.js'
 import type { KeyFormat } from './key.js'
+import type { IdempotencyPrefilter } from './prefilter.js'
 import type { IdempotencyStore } from './store.js'
 
 export type ScopeFunction = (request: FastifyRequest) => string | Promise<string>
@@ -52,6 +53,8 @@ export interface RouteIdempotencyOptions {
 export interface IdempotencyOptions extends RouteIdempotencyOptions {
   /** @defaultValue memoryStore() */
   store?: IdempotencyStore
+  /** Answers duplicates before the store during retry storms (never decides who executes). @defaultValue none */
+  prefilter?: IdempotencyPrefilter
   /** Methods protected without a route opting in. @defaultValue ['POST', 'PATCH'] */
   methods?: readonly string[]
   /** Prefix of the problem `type` URIs. @defaultValue 'tag:fastify-idempotency,2026:' */
@@ -95,7 +98,7 @@ const ROUTE_OPTION_NAMES = [
   'scope', 'required', 'ttl', 'lease', 'wait', 'maxKeyLength', 'keyFormat', 'fingerprint', 'record',
   'maxResponseBytes', 'replayHeaders', 'onStoreError', 'storeTimeout', 'retryAfter', 'transaction'
 ] as const
-const GLOBAL_OPTION_NAMES = new Set<string>([...ROUTE_OPTION_NAMES, 'store', 'methods', 'problemTypeBase', 'docsUrl'])
+const GLOBAL_OPTION_NAMES = new Set<string>([...ROUTE_OPTION_NAMES, 'store', 'prefilter', 'methods', 'problemTypeBase', 'docsUrl'])
 const ROUTE_ONLY = new Set<string>(ROUTE_OPTION_NAMES)
 
 const HTTP_METHODS = new Set(['DELETE', 'GET', 'HEAD', 'PATCH', 'POST', 'PUT', 'OPTIONS', 'PROPFIND', 'PROPPATCH',

@@ -6,16 +6,19 @@ import { InvalidOptionError } from './errors.js'
 import { createRecordHook, routeHooks } from './hooks.js'
 import { resolveGlobalOptions, resolveRouteConfig, type GlobalSettings, type IdempotencyOptions, type RouteSettings } from './options.js'
 import { buildProblemBodies } from './problems.js'
+import type { IdempotencyPrefilter } from './prefilter.js'
 import type { IdempotencyStore } from './store.js'
 import { Waiters } from './waiters.js'
 
 const STORE_METHODS = ['claim', 'complete', 'release', 'renew', 'get', 'purgeExpired', 'close'] as const
+const PREFILTER_METHODS = ['lookup', 'markInFlight', 'clearInFlight', 'remember', 'close'] as const
 
 export const idempotencyPlugin: FastifyPluginCallback<IdempotencyOptions> = function fastifyIdempotency (fastify, options, done) {
   let global: GlobalSettings
   try {
     global = resolveGlobalOptions(options)
     if (options.store !== undefined) checkStore(options.store)
+    if (options.prefilter !== undefined) checkPrefilter(options.prefilter)
     if (global.route.transaction) checkTransactions(options.store, 'option "transaction"')
   } catch (err) {
     // Through done(), so register() / ready() reject with it (a synchronous throw escapes avvio).
@@ -28,6 +31,7 @@ export const idempotencyPlugin: FastifyPluginCallback<IdempotencyOptions> = func
   const problemOptions = { typeBase: global.problemTypeBase, docsUrl: global.docsUrl }
   const engine: Engine = {
     store,
+    prefilter: options.prefilter ?? null,
     waiters: new Waiters(),
     problems: buildProblemBodies(problemOptions),
     problemOptions
@@ -115,5 +119,14 @@ function checkStore (store: IdempotencyStore): void {
 function checkTransactions (store: IdempotencyStore | undefined, option: string): void {
   if (typeof store?.claimInTransaction !== 'function') {
     throw new InvalidOptionError(option, 'false unless the store supports transactions (claimInTransaction), as the Postgres driver does', true)
+  }
+}
+
+function checkPrefilter (prefilter: IdempotencyPrefilter): void {
+  const missing = typeof prefilter === 'object' && prefilter !== null
+    ? PREFILTER_METHODS.filter((method) => typeof (prefilter as unknown as Record<string, unknown>)[method] !== 'function')
+    : [...PREFILTER_METHODS]
+  if (missing.length > 0) {
+    throw new InvalidOptionError('option "prefilter"', `an IdempotencyPrefilter (missing ${missing.join(', ')})`, prefilter)
   }
 }

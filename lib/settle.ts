@@ -4,6 +4,7 @@ import type { RequestState } from './context.js'
 import { decision, type Engine } from './engine.js'
 import { pickReplayHeaders } from './headers.js'
 import { stopRenewal } from './lease.js'
+import { clearInFlight, rememberCompleted } from './prefiltering.js'
 import { applyProblem } from './problems.js'
 import type { Lease, StoredResponse } from './store.js'
 import { withTimeout } from './timeout.js'
@@ -107,11 +108,14 @@ async function commitThenSend (
   }
   const response: StoredResponse = { statusCode: reply.statusCode, headers, body: body.length > state.settings.maxResponseBytes ? null : body }
   try {
+    const since = Date.now()
     const committed = await withTimeout('complete', state.settings.storeTimeout, () => engine.store.complete(lease, response, state.settings.ttl))
     if (!committed) throw new Error('the transaction no longer owned the record')
     state.log.debug(decision(state, 'recorded'), 'idempotency: response recorded and transaction committed')
+    if (state.context !== null) rememberCompleted(engine, state, state.context.fingerprint, response, since)
   } catch (err) {
     state.log.error({ ...decision(state, 'store_error'), err }, 'idempotency: the transaction could not be committed; answering 500')
+    clearInFlight(engine, state)
     done(engine, state)
     return notCommitted(engine, reply)
   }
@@ -127,9 +131,11 @@ function notCommitted (engine: Engine, reply: FastifyReply): string {
 async function record (engine: Engine, state: RequestState, lease: Lease, response: StoredResponse): Promise<void> {
   for (let attempt = 0; ; attempt++) {
     try {
+      const since = Date.now()
       const completed = await withTimeout('complete', state.settings.storeTimeout, () => engine.store.complete(lease, response, state.settings.ttl))
       if (completed) {
         state.log.debug(decision(state, 'recorded'), 'idempotency: response recorded')
+        if (state.context !== null) rememberCompleted(engine, state, state.context.fingerprint, response, since)
       } else {
         state.log.warn(decision(state, 'lease_lost'), 'idempotency: the key was taken over while this request ran; its response was not recorded')
       }
@@ -148,6 +154,7 @@ async function record (engine: Engine, state: RequestState, lease: Lease, respon
 }
 
 async function release (engine: Engine, state: RequestState, lease: Lease, reason: string): Promise<void> {
+  clearInFlight(engine, state)
   try {
     await withTimeout('release', state.settings.storeTimeout, () => engine.store.release(lease))
     state.log.debug(decision(state, 'released'), `idempotency: key released (${reason})`)

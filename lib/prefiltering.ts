@@ -1,0 +1,49 @@
+import type { RequestState } from './context.js'
+import { decision, type Engine } from './engine.js'
+import type { PrefilterHit } from './prefilter.js'
+import type { Fingerprint, StoredResponse } from './store.js'
+
+/*
+ * How the lifecycle uses the optional pre-filter. It is advisory only: a hit can replay a record the
+ * store already committed or refuse a duplicate while its owner runs; a miss, an error or a timeout
+ * is a fall-through to the store, which alone decides who executes. Writes to it are fire-and-forget
+ * (logged on failure): a lost write only means the next duplicate asks the store.
+ */
+
+/** A copy must never outlive the store's record: the store's ttl started before we measured. */
+const RETENTION_MARGIN_MS = 1000
+
+export async function consultPrefilter (engine: Engine, state: RequestState): Promise<PrefilterHit | null> {
+  const prefilter = engine.prefilter
+  if (prefilter === null) return null
+  try {
+    return await prefilter.lookup({ scope: state.scope, key: state.key })
+  } catch (err) {
+    state.log.warn({ ...decision(state, 'prefilter_error'), err }, 'idempotency: pre-filter lookup failed; asking the store')
+    return null
+  }
+}
+
+export function markInFlight (engine: Engine, state: RequestState, fingerprint: Fingerprint): void {
+  const prefilter = engine.prefilter
+  if (prefilter === null) return
+  prefilter.markInFlight({ scope: state.scope, key: state.key }, fingerprint, state.settings.lease)
+    .catch((err: unknown) => { state.log.warn({ ...decision(state, 'prefilter_error'), err }, 'idempotency: pre-filter in-flight marker not set') })
+}
+
+/** After the store committed `response` (its retention started no earlier than `committedSince`). */
+export function rememberCompleted (engine: Engine, state: RequestState, fingerprint: Fingerprint, response: StoredResponse, committedSince: number): void {
+  const prefilter = engine.prefilter
+  if (prefilter === null) return
+  const ttl = state.settings.ttl - (Date.now() - committedSince) - RETENTION_MARGIN_MS
+  if (ttl <= 0) return
+  prefilter.remember({ scope: state.scope, key: state.key }, fingerprint, response, ttl)
+    .catch((err: unknown) => { state.log.warn({ ...decision(state, 'prefilter_error'), err }, 'idempotency: pre-filter copy of the record not written') })
+}
+
+export function clearInFlight (engine: Engine, state: RequestState): void {
+  const prefilter = engine.prefilter
+  if (prefilter === null) return
+  prefilter.clearInFlight({ scope: state.scope, key: state.key })
+    .catch((err: unknown) => { state.log.warn({ ...decision(state, 'prefilter_error'), err }, 'idempotency: pre-filter in-flight marker not cleared') })
+}

@@ -1,0 +1,184 @@
+import { randomBytes } from 'node:crypto'
+import Fastify, { type FastifyInstance, type LightMyRequestResponse } from 'fastify'
+import { Cluster, Redis } from 'ioredis'
+import t, { type Test } from 'tap'
+import idempotency, { memoryStore, type IdempotencyStore } from '../lib/index.js'
+import type { IdempotencyPrefilter } from '../lib/prefilter.js'
+import { redisPrefilter } from '../drivers/redis/index.js'
+
+/**
+ * The pre-filter in the request lifecycle, against real Redis servers (REDIS_URL and
+ * REDIS_CLUSTER_NODES; `node scripts/test.mjs` provisions both). The store (memory, counted) stays
+ * the only judge of who executes; Redis may only replay committed records and refuse duplicates.
+ */
+
+const REDIS_URL = process.env.REDIS_URL
+const CLUSTER = process.env.REDIS_CLUSTER_NODES
+if (REDIS_URL === undefined || CLUSTER === undefined) {
+  t.fail('REDIS_URL and REDIS_CLUSTER_NODES must be set: run `node scripts/test.mjs test/prefilter.test.ts` (it starts throwaway Redis servers).')
+} else {
+  const nodes = CLUSTER.split(',').map((node) => {
+    const [host, port] = node.split(':')
+    return { host: host ?? '127.0.0.1', port: Number(port) }
+  })
+  suite('standalone', () => new Redis(REDIS_URL, { maxRetriesPerRequest: 1 }))
+  suite('cluster', () => new Cluster(nodes, { redisOptions: { maxRetriesPerRequest: 1 } }))
+}
+
+const sleep = (ms: number): Promise<void> => new Promise((resolve) => setTimeout(resolve, ms))
+const keyed = (key: string): Record<string, string> => ({ 'idempotency-key': `"${key}"`, 'content-type': 'application/json' })
+
+interface Counted extends IdempotencyStore { readonly calls: { claim: number, complete: number } }
+
+/** A memory store that counts its round trips. */
+function countedStore (): Counted {
+  const inner = memoryStore({ purgeInterval: 0 })
+  const calls = { claim: 0, complete: 0 }
+  return {
+    ...inner,
+    calls,
+    claim: async (request) => { calls.claim++; return inner.claim(request) },
+    complete: async (lease, response, ttl) => { calls.complete++; return inner.complete(lease, response, ttl) }
+  }
+}
+
+function suite (name: string, connect: () => Redis | Cluster): void {
+  t.test(name, async (t) => {
+    const client = connect()
+    t.teardown(() => { client.disconnect() })
+
+    async function world (t: Test, options: { delay?: number, wait?: number, prefilter?: IdempotencyPrefilter } = {}): Promise<{ app: FastifyInstance, store: Counted, runs: Map<string, number> }> {
+      const store = countedStore()
+      const prefilter = options.prefilter ?? redisPrefilter({ client, prefix: `t${randomBytes(4).toString('hex')}`, timeout: 200 })
+      const app = Fastify()
+      t.teardown(() => app.close())
+      await app.register(idempotency, { store, prefilter, scope: () => 'tenant', wait: options.wait ?? 0 })
+      const runs = new Map<string, number>()
+      app.post('/pay', async (request, reply) => {
+        const key = request.idempotency?.key ?? ''
+        runs.set(key, (runs.get(key) ?? 0) + 1)
+        if (options.delay !== undefined) await sleep(options.delay)
+        return reply.code(201).header('location', `/pay/${key}`).send({ key, charge: randomBytes(6).toString('hex') })
+      })
+      return { app, store, runs }
+    }
+    const pay = (app: FastifyInstance, key: string, amount = 1): Promise<LightMyRequestResponse> =>
+      app.inject({ method: 'POST', url: '/pay', headers: keyed(key), payload: { amount } })
+
+    /** Waits (bounded) for the fire-and-forget copy into Redis. */
+    async function settled (): Promise<void> { await sleep(30) }
+
+    t.test('a completed record is replayed from Redis with zero store calls, byte-identical', async (t) => {
+      const { app, store, runs } = await world(t)
+      const first = await pay(app, 'k1')
+      await settled()
+      const claims = store.calls.claim
+      const replay = await pay(app, 'k1')
+      t.equal(store.calls.claim, claims, 'no store call for the replay')
+      t.equal(replay.statusCode, 201)
+      t.equal(replay.headers['idempotent-replayed'], 'true')
+      t.equal(replay.body, first.body)
+      t.equal(replay.headers.location, first.headers.location)
+      t.equal(replay.headers['content-type'], first.headers['content-type'])
+      t.equal(runs.get('k1'), 1)
+      const mismatch = await pay(app, 'k1', 2)
+      t.equal(mismatch.statusCode, 422, 'a different request gets 422 from the copy, as from the store')
+      t.equal(store.calls.claim, claims)
+    })
+
+    t.test('a storm: 500 requests on 10 keys execute exactly 10 times, and duplicates rarely reach the store', async (t) => {
+      const { app, store, runs } = await world(t, { delay: 80 })
+      const keys = Array.from({ length: 10 }, (_, i) => `storm-${i}`)
+      const originals = keys.map((key) => pay(app, key))
+      await sleep(20) // the originals are in flight and their markers set
+      const answers: LightMyRequestResponse[] = []
+      const duplicates: Array<Promise<void>> = []
+      for (const key of keys) {
+        for (let i = 0; i < 49; i++) {
+          duplicates.push((async () => {
+            // A client retrying on 409, as real clients do.
+            for (let attempt = 0; attempt < 50; attempt++) {
+              const answer = await pay(app, key)
+              if (answer.statusCode !== 409) { answers.push(answer); return }
+              await sleep(15)
+            }
+          })())
+        }
+      }
+      const claimsBefore = store.calls.claim
+      await Promise.all([...originals, ...duplicates])
+      const duplicateClaims = store.calls.claim - claimsBefore
+      t.same([...runs.values()], Array(10).fill(1), 'exactly one execution per key')
+      t.equal(answers.length, 490)
+      t.ok(answers.every((a) => a.statusCode === 201 && a.headers['idempotent-replayed'] === 'true'), 'every duplicate ends with the replay')
+      t.ok(duplicateClaims < 49, `store round trips made by 490 duplicates (and their retries): ${duplicateClaims}`)
+      t.comment(`storm (${name}): ${duplicateClaims} store claims for 490 duplicates`)
+    })
+
+    t.test('FLUSHALL and evictions fall through to the store: the replay is still right, nothing runs twice', async (t) => {
+      const { app, store, runs } = await world(t)
+      const first = await pay(app, 'k2')
+      await settled()
+      if (client instanceof Redis) await client.flushall()
+      else await Promise.all(client.nodes('master').map((node) => node.flushall()))
+      const claims = store.calls.claim
+      const replay = await pay(app, 'k2')
+      t.equal(store.calls.claim, claims + 1, 'the store answered')
+      t.equal(replay.body, first.body)
+      t.equal(replay.headers['idempotent-replayed'], 'true')
+      t.equal(runs.get('k2'), 1)
+    })
+
+    t.test('a stale in-flight marker delays a retry by at most its ttl, then the store decides', async (t) => {
+      const prefilter = redisPrefilter({ client, prefix: `t${randomBytes(4).toString('hex')}`, timeout: 200 })
+      const { app, runs } = await world(t, { prefilter })
+      // A marker left by an owner that died without completing (the store has no record).
+      const { canonicalFingerprint } = await import('../lib/fingerprint.js')
+      await prefilter.markInFlight({ scope: 'tenant', key: 'k3' }, canonicalFingerprint('POST', '/pay', { amount: 1 }, 'application/json'), 150)
+      const blocked = await pay(app, 'k3')
+      t.equal(blocked.statusCode, 409)
+      await sleep(200)
+      const retry = await pay(app, 'k3')
+      t.equal(retry.statusCode, 201, 'once the marker expired, the store let it execute')
+      t.equal(runs.get('k3'), 1)
+    })
+
+    t.test('a pre-filter that fails or is slow never fails a request and never causes a second execution', async (t) => {
+      const broken: IdempotencyPrefilter = {
+        lookup: async () => { throw new Error('redis down') },
+        markInFlight: async () => { throw new Error('redis down') },
+        clearInFlight: async () => { throw new Error('redis down') },
+        remember: async () => { throw new Error('redis down') },
+        close: async () => {}
+      }
+      const slow: IdempotencyPrefilter = {
+        lookup: () => new Promise((resolve, reject) => setTimeout(() => reject(new Error('timeout')), 60)),
+        markInFlight: async () => {},
+        clearInFlight: async () => {},
+        remember: async () => {},
+        close: async () => {}
+      }
+      for (const prefilter of [broken, slow]) {
+        const { app, runs } = await world(t, { prefilter })
+        const first = await pay(app, 'k4')
+        t.equal(first.statusCode, 201)
+        const again = await Promise.all([pay(app, 'k4'), pay(app, 'k4')])
+        t.same(again.map((a) => a.statusCode), [201, 201])
+        t.ok(again.every((a) => a.body === first.body && a.headers['idempotent-replayed'] === 'true'))
+        t.equal(runs.get('k4'), 1)
+      }
+    })
+
+    t.test('a released key clears its marker: the retry executes at once', async (t) => {
+      const { app } = await world(t)
+      let runs = 0
+      app.post('/fail', async () => { runs++; throw new Error('boom') })
+      const failed = await app.inject({ method: 'POST', url: '/fail', headers: keyed('k5'), payload: {} })
+      t.equal(failed.statusCode, 500)
+      await settled()
+      const retry = await app.inject({ method: 'POST', url: '/fail', headers: keyed('k5'), payload: {} })
+      t.equal(retry.statusCode, 500, 'not 409: the marker went with the release')
+      t.equal(runs, 2)
+    })
+  })
+}
