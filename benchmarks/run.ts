@@ -1,0 +1,445 @@
+/**
+ * The Postgres driver's benchmark (issue 3): `node --import tsx benchmarks/run.ts [--quick] [--out file]`.
+ *
+ * Starts a throwaway PostgreSQL (scripts/services.mjs) unless DATABASE_URL is set, migrates a fresh
+ * schema, and measures each scenario with its setups interleaved (A B C … A B C …) so that the
+ * machine's drift hits every setup alike. Each measurement gets its own server process
+ * (benchmarks/server.ts) on a loopback port and loads it from this process with autocannon's
+ * programmatic API. Reports medians over the rounds, and ratios taken within a round (to `bare`,
+ * and for the Postgres setups to `floor-sql`). Prints a table and writes
+ * benchmarks/results/postgres.json (postgres.quick.json with --quick, so a development run never
+ * overwrites the published figures).
+ *
+ * Extending it (issue 5): a setup is a name here plus an entry in server.ts's SETUPS; a scenario is
+ * an entry in SCENARIOS (its setups, its request stream, what it prepares and checks).
+ */
+import { spawn, type ChildProcess } from 'node:child_process'
+import { randomBytes } from 'node:crypto'
+import { mkdirSync, readFileSync, writeFileSync } from 'node:fs'
+import os from 'node:os'
+import path from 'node:path'
+import { createInterface } from 'node:readline'
+import { fileURLToPath } from 'node:url'
+import { parseArgs } from 'node:util'
+import autocannon from 'autocannon'
+import postgres from 'postgres'
+import { migrate } from '../drivers/postgres/index.js'
+
+const ROOT = fileURLToPath(new URL('..', import.meta.url))
+const SERVER = path.join(ROOT, 'benchmarks', 'server.ts')
+
+const { values: args } = parseArgs({ options: { quick: { type: 'boolean', default: false }, out: { type: 'string' } } })
+const QUICK = args.quick === true
+const OUT = args.out ?? path.join(ROOT, 'benchmarks', 'results', QUICK ? 'postgres.quick.json' : 'postgres.json')
+const CONFIG = {
+  rounds: QUICK ? 1 : 3,
+  connections: 10,
+  durationSeconds: QUICK ? 1.5 : 5,
+  // Unmeasured load on each new server first: JIT, the pool's connections, prepared statements.
+  warmupSeconds: 1,
+  poolMax: 10,
+  replayKeys: 100
+} as const
+
+const SETUPS = ['bare', 'memory', 'pg-lease', 'pg-atomic', 'floor-sql'] as const
+type Setup = typeof SETUPS[number]
+const PG_SETUPS: ReadonlySet<Setup> = new Set(['pg-lease', 'pg-atomic', 'floor-sql'])
+
+const BODY = '{"amount":1000,"currency":"EUR"}'
+
+interface Run {
+  scenario: string
+  round: number
+  setup: Setup
+  requestsPerSecond: number
+  requests: number
+  durationSeconds: number
+  /** autocannon's histogram: whole milliseconds. */
+  latencyMs: { p50: number, p90: number, p99: number, p99_9: number, mean: number, max: number }
+  statusCodes: Record<string, number>
+  non2xx: number
+  errors: number
+  timeouts: number
+  /** Operations the server executed during the measured load (GET /stats before and after). */
+  executions: number
+  peakRssMiB: number
+  ratioToBare: number | null
+  ratioToFloor: number | null
+  problems: string[]
+}
+
+interface Scenario {
+  name: string
+  description: string
+  setups: readonly Setup[]
+  /** Runs once against each new server, before its warm-up. */
+  prepare?: (url: string, tag: string) => Promise<void>
+  /** autocannon's request list; `tag` is unique to the measurement. */
+  requests: (tag: string) => autocannon.Request[]
+  /** What must hold of a measured run (beyond 0 errors): returns the problems. */
+  check: (run: Run) => string[]
+}
+
+/** A request whose idempotency-key header `key()` picks anew each time autocannon sends it. */
+function keyed (key: () => string): autocannon.Request[] {
+  return [{
+    method: 'POST',
+    path: '/pay',
+    setupRequest (request) {
+      (request.headers ??= {})['idempotency-key'] = key()
+      return request
+    }
+  }]
+}
+
+/** Shared by the warm-up and the measured load, so a key is never sent twice. */
+let freshCounter = 0
+const replayKey = (i: number, tag: string): string => `"r-${i}-${tag}"`
+
+const SCENARIOS: readonly Scenario[] = [
+  {
+    name: 'fresh',
+    description: 'every request a new key',
+    setups: SETUPS,
+    requests: (tag) => keyed(() => `"k-${freshCounter++}-${tag}"`),
+    // A request in flight when a load stops still executes, uncounted: up to one per connection
+    // after the warm-up (counted here) and after the measured load (not counted here).
+    check: (run) => Math.abs(run.executions - run.requests) <= 2 * CONFIG.connections
+      ? []
+      : [`${run.executions} executions for ${run.requests} fresh keys`]
+  },
+  {
+    name: 'replay',
+    description: `requests cycle over ${CONFIG.replayKeys} keys completed beforehand`,
+    setups: SETUPS,
+    async prepare (url, tag) {
+      for (let i = 0; i < CONFIG.replayKeys; i += CONFIG.connections) {
+        await Promise.all(Array.from({ length: Math.min(CONFIG.connections, CONFIG.replayKeys - i) }, async (_, j) => {
+          const response = await fetch(`${url}/pay`, {
+            method: 'POST',
+            headers: { 'content-type': 'application/json', 'idempotency-key': replayKey(i + j, tag) },
+            body: BODY
+          })
+          await response.arrayBuffer()
+          if (response.status !== 201) throw new Error(`replay warm-up: key ${i + j} answered ${response.status}`)
+        }))
+      }
+    },
+    requests (tag) {
+      let i = 0
+      return keyed(() => replayKey(i++ % CONFIG.replayKeys, tag))
+    },
+    // bare has no idempotency: it executes every request.
+    check: (run) => run.setup === 'bare' || run.executions === 0 ? [] : [`${run.executions} executions during replays`]
+  }
+]
+
+// --- the database -----------------------------------------------------------------------------
+
+interface Services { env: Record<string, string>, stop: (() => Promise<void>) & { sync: () => void } }
+let services: Services | null = null
+let server: ChildProcess | null = null
+// Synchronous teardown on any exit (services' stop.sync), so ^C leaves no PostgreSQL behind.
+process.once('exit', () => { server?.kill('SIGKILL'); services?.stop.sync() })
+process.once('SIGINT', () => process.exit(130))
+process.once('SIGTERM', () => process.exit(143))
+
+if (process.env.DATABASE_URL === undefined || process.env.DATABASE_URL === '') {
+  // Imported through a computed specifier: services.mjs is plain JS without type declarations.
+  const { startServices } = await import(new URL('../scripts/services.mjs', import.meta.url).href) as {
+    startServices: (options: { redis: boolean, redisCluster: boolean }) => Promise<Services>
+  }
+  services = await startServices({ redis: false, redisCluster: false })
+}
+const DATABASE_URL = services?.env.DATABASE_URL ?? process.env.DATABASE_URL ?? ''
+const SCHEMA = `bench_${randomBytes(4).toString('hex')}`
+const admin = postgres(DATABASE_URL, { max: 2, onnotice: () => {} })
+
+async function createSchema (): Promise<void> {
+  await admin`CREATE SCHEMA ${admin(SCHEMA)}`
+  // Both record tables from the driver's own migration, so floor-sql writes the very same shape.
+  await migrate(admin, { schema: SCHEMA, table: 'records' })
+  await migrate(admin, { schema: SCHEMA, table: 'floor_records' })
+  await admin`
+    CREATE TABLE ${admin(SCHEMA)}.payments (
+      id bigint GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
+      idempotency_key text NOT NULL,
+      amount integer NOT NULL,
+      currency text NOT NULL,
+      created_at timestamptz NOT NULL DEFAULT now()
+    )`
+}
+
+async function describeDatabase (): Promise<Record<string, string>> {
+  const settings = await admin`
+    SELECT name, current_setting(name) AS setting FROM pg_settings
+    WHERE name IN ('server_version', 'fsync', 'synchronous_commit', 'full_page_writes', 'shared_buffers', 'max_connections')`
+  return Object.fromEntries(settings.map((row) => [String(row.name), String(row.setting)]))
+}
+
+// --- one measurement ----------------------------------------------------------------------------
+
+async function startServer (setup: Setup): Promise<{ url: string, pid: number, stop: () => Promise<void> }> {
+  const child = spawn(process.execPath, ['--import', 'tsx', SERVER], {
+    cwd: ROOT,
+    env: { ...process.env, SETUP: setup, DATABASE_URL, BENCH_SCHEMA: SCHEMA, BENCH_POOL_MAX: String(CONFIG.poolMax) },
+    stdio: ['ignore', 'pipe', 'inherit']
+  })
+  server = child
+  const exited = new Promise<number | null>((resolve) => child.once('exit', (code) => resolve(code)))
+  const port = await new Promise<number>((resolve, reject) => {
+    const timer = setTimeout(() => reject(new Error(`server ${setup} did not listen within 30 s`)), 30_000)
+    createInterface({ input: child.stdout! }).on('line', (line) => {
+      let port: unknown
+      try { port = (JSON.parse(line) as { port?: unknown }).port } catch { return } // not the port line
+      if (typeof port === 'number') { clearTimeout(timer); resolve(port) }
+    })
+    void exited.then((code) => { clearTimeout(timer); reject(new Error(`server ${setup} exited (${code}) before listening`)) })
+  })
+  return {
+    url: `http://127.0.0.1:${port}`,
+    pid: child.pid!,
+    async stop () {
+      child.kill('SIGTERM')
+      const timer = setTimeout(() => child.kill('SIGKILL'), 5_000)
+      const code = await exited
+      clearTimeout(timer)
+      server = null
+      if (code !== 0) throw new Error(`server ${setup} exited with ${code} on SIGTERM`)
+    }
+  }
+}
+
+function load (url: string, requests: autocannon.Request[], seconds: number): Promise<autocannon.Result> {
+  return autocannon({
+    url,
+    connections: CONFIG.connections,
+    duration: seconds,
+    // The stop is checked at each sample; the default (1 s) would stretch a 1.5 s run to 2 s.
+    sampleInt: 100,
+    headers: { 'content-type': 'application/json' },
+    body: BODY,
+    requests
+  })
+}
+
+async function executions (url: string): Promise<number> {
+  const response = await fetch(`${url}/stats`)
+  return ((await response.json()) as { executions: number }).executions
+}
+
+/** The server's peak resident set, from the kernel: VmHWM in /proc/<pid>/status. */
+function peakRssMiB (pid: number): number {
+  const match = /^VmHWM:\s+(\d+) kB/m.exec(readFileSync(`/proc/${pid}/status`, 'utf8'))
+  return match === null ? NaN : Math.round(Number(match[1]) / 1024)
+}
+
+async function measure (scenario: Scenario, setup: Setup, round: number): Promise<Run> {
+  // Every measurement starts from empty tables (and a new process), whatever ran before it.
+  await admin`TRUNCATE ${admin(SCHEMA)}.records, ${admin(SCHEMA)}.floor_records, ${admin(SCHEMA)}.payments`
+  const instance = await startServer(setup)
+  try {
+    const tag = randomBytes(4).toString('hex')
+    await scenario.prepare?.(instance.url, tag)
+    const requests = scenario.requests(tag)
+    await load(instance.url, requests, CONFIG.warmupSeconds)
+    const before = await executions(instance.url)
+    const result = await load(instance.url, requests, CONFIG.durationSeconds)
+    const after = await executions(instance.url)
+    const run: Run = {
+      scenario: scenario.name,
+      round,
+      setup,
+      requestsPerSecond: Math.round(result.requests.total / result.duration),
+      requests: result.requests.total,
+      durationSeconds: result.duration,
+      latencyMs: {
+        p50: result.latency.p50,
+        p90: result.latency.p90,
+        p99: result.latency.p99,
+        p99_9: result.latency.p99_9,
+        mean: result.latency.mean,
+        max: result.latency.max
+      },
+      statusCodes: Object.fromEntries(Object.entries(result.statusCodeStats ?? {}).map(([code, stat]) => [code, stat.count ?? 0])),
+      non2xx: result.non2xx,
+      errors: result.errors,
+      timeouts: result.timeouts,
+      executions: after - before,
+      peakRssMiB: peakRssMiB(instance.pid),
+      ratioToBare: null,
+      ratioToFloor: null,
+      problems: []
+    }
+    if (run.errors > 0 || run.non2xx > 0) run.problems.push(`${run.errors} errors, ${run.non2xx} non-2xx (${JSON.stringify(run.statusCodes)})`)
+    run.problems.push(...scenario.check(run))
+    return run
+  } finally {
+    await instance.stop()
+  }
+}
+
+// --- summary ------------------------------------------------------------------------------------
+
+function median (values: number[]): number {
+  const sorted = values.filter(Number.isFinite).sort((a, b) => a - b)
+  if (sorted.length === 0) return NaN
+  const mid = sorted.length >> 1
+  return sorted.length % 2 === 1 ? sorted[mid]! : (sorted[mid - 1]! + sorted[mid]!) / 2
+}
+
+const ratio = (a: number, b: number): number => Math.round(a / b * 1000) / 1000
+
+/** Ratios within a round: the two runs were measured minutes apart at most, on the same drift. */
+function addRatios (runs: Run[]): void {
+  for (const run of runs) {
+    const peer = (setup: Setup): Run | undefined => runs.find((r) => r.scenario === run.scenario && r.round === run.round && r.setup === setup)
+    const bare = peer('bare')
+    const floor = peer('floor-sql')
+    if (bare !== undefined) run.ratioToBare = ratio(run.requestsPerSecond, bare.requestsPerSecond)
+    if (floor !== undefined && PG_SETUPS.has(run.setup)) run.ratioToFloor = ratio(run.requestsPerSecond, floor.requestsPerSecond)
+  }
+}
+
+interface Summary {
+  setup: Setup
+  requestsPerSecond: number
+  requestsPerSecondByRound: number[]
+  ratioToBare: number | null
+  ratioToFloor: number | null
+  p50Ms: number
+  p99Ms: number
+  non2xx: number
+  errors: number
+  peakRssMiB: number
+}
+
+function summarise (runs: Run[], scenario: Scenario): Summary[] {
+  return scenario.setups.map((setup) => {
+    const mine = runs.filter((run) => run.scenario === scenario.name && run.setup === setup)
+    const medianRatio = (pick: (run: Run) => number | null): number | null => {
+      const values = mine.map(pick).filter((v): v is number => v !== null)
+      return values.length === 0 ? null : median(values)
+    }
+    return {
+      setup,
+      requestsPerSecond: median(mine.map((run) => run.requestsPerSecond)),
+      requestsPerSecondByRound: mine.map((run) => run.requestsPerSecond),
+      ratioToBare: medianRatio((run) => run.ratioToBare),
+      ratioToFloor: medianRatio((run) => run.ratioToFloor),
+      p50Ms: median(mine.map((run) => run.latencyMs.p50)),
+      p99Ms: median(mine.map((run) => run.latencyMs.p99)),
+      non2xx: mine.reduce((sum, run) => sum + run.non2xx, 0),
+      errors: mine.reduce((sum, run) => sum + run.errors, 0),
+      peakRssMiB: Math.max(...mine.map((run) => run.peakRssMiB))
+    }
+  })
+}
+
+function table (scenario: Scenario, rows: Summary[]): string {
+  const head = ['setup', 'req/s', '× bare', '× floor-sql', 'p50 ms', 'p99 ms', 'non-2xx', 'errors', 'peak RSS', 'req/s by round']
+  const fixed = (v: number | null): string => v === null ? '—' : v.toFixed(2)
+  const body = rows.map((row) => [
+    row.setup,
+    Math.round(row.requestsPerSecond).toLocaleString('en-US'),
+    fixed(row.ratioToBare),
+    fixed(row.ratioToFloor),
+    String(row.p50Ms),
+    String(row.p99Ms),
+    String(row.non2xx),
+    String(row.errors),
+    `${row.peakRssMiB} MiB`,
+    row.requestsPerSecondByRound.map((v) => v.toLocaleString('en-US')).join(' ')
+  ])
+  const widths = head.map((h, i) => Math.max(h.length, ...body.map((cells) => cells[i]!.length)))
+  const line = (cells: string[]): string => `| ${cells.map((c, i) => i === 0 || i === cells.length - 1 ? c.padEnd(widths[i]!) : c.padStart(widths[i]!)).join(' | ')} |`
+  return [
+    `${scenario.name}: ${scenario.description}`,
+    line(head),
+    `|${widths.map((w, i) => i === 0 || i === widths.length - 1 ? `:${'-'.repeat(w + 1)}` : `${'-'.repeat(w + 1)}:`).join('|')}|`,
+    ...body.map(line)
+  ].join('\n')
+}
+
+function packageVersion (name: string): string {
+  return (JSON.parse(readFileSync(path.join(ROOT, 'node_modules', name, 'package.json'), 'utf8')) as { version: string }).version
+}
+
+// --- main ---------------------------------------------------------------------------------------
+
+const startedAt = new Date()
+const log = (message: string): void => { process.stderr.write(`[bench] ${message}\n`) }
+try {
+  await createSchema()
+  const database = await describeDatabase()
+  log(`PostgreSQL ${database.server_version} (fsync=${database.fsync}, synchronous_commit=${database.synchronous_commit}), ` +
+    `${CONFIG.rounds} round(s) × ${CONFIG.durationSeconds} s, ${CONFIG.connections} connections`)
+
+  const runs: Run[] = []
+  for (const scenario of SCENARIOS) {
+    for (let round = 1; round <= CONFIG.rounds; round++) {
+      for (const setup of scenario.setups) {
+        const run = await measure(scenario, setup, round)
+        runs.push(run)
+        log(`${scenario.name} round ${round} ${setup}: ${run.requestsPerSecond.toLocaleString('en-US')} req/s${run.problems.length > 0 ? `  PROBLEM: ${run.problems.join('; ')}` : ''}`)
+      }
+    }
+  }
+  addRatios(runs)
+
+  const summaries = SCENARIOS.map((scenario) => ({ scenario, rows: summarise(runs, scenario) }))
+  const notes = [
+    `Medians over ${CONFIG.rounds} round(s); each ratio is taken within a round, then its median reported.`,
+    'Latency is autocannon\'s, in whole milliseconds: too coarse to show sub-millisecond overhead; compare req/s.',
+    `Durability: fsync=${database.fsync}, synchronous_commit=${database.synchronous_commit}, full_page_writes=${database.full_page_writes}` +
+      (services !== null ? ' (the throwaway server of scripts/services.mjs: commits are not durable, so absolute figures are above a production server\'s; floor-sql runs under the same settings).' : ' (the server of DATABASE_URL).'),
+    'pg-atomic also inserts one business row per fresh key, in the transaction that holds the claim; no other setup writes one.',
+    'floor-sql answers a replay with two statements (the claim finds the key, then a SELECT); the plugin\'s claim reads the record in the same statement, so the replay ratio to floor-sql is not a floor ratio.',
+    'Load generator, servers and PostgreSQL share the machine\'s cores: expect about ±15% between runs.'
+  ]
+  const output = [
+    ...summaries.map(({ scenario, rows }) => table(scenario, rows)),
+    notes.map((note) => `- ${note}`).join('\n')
+  ].join('\n\n')
+  process.stdout.write(`${output}\n`)
+
+  const cpus = os.cpus()
+  const result = {
+    benchmark: 'postgres',
+    date: startedAt.toISOString(),
+    quick: QUICK,
+    elapsedSeconds: Math.round((Date.now() - startedAt.getTime()) / 1000),
+    machine: {
+      cpuModel: cpus[0]?.model ?? 'unknown',
+      cores: cpus.length,
+      memoryGiB: Math.round(os.totalmem() / 2 ** 30 * 10) / 10,
+      platform: `${os.platform()} ${os.release()}`,
+      loadAverageAtStart: os.loadavg()
+    },
+    versions: {
+      node: process.version,
+      postgresServer: database.server_version,
+      postgresClient: packageVersion('postgres'),
+      fastify: packageVersion('fastify'),
+      autocannon: packageVersion('autocannon')
+    },
+    database: { provisioned: services !== null ? 'throwaway (scripts/services.mjs)' : 'DATABASE_URL', settings: database },
+    config: CONFIG,
+    notes,
+    scenarios: Object.fromEntries(summaries.map(({ scenario, rows }) => [scenario.name, { description: scenario.description, setups: rows }])),
+    runs
+  }
+  mkdirSync(path.dirname(OUT), { recursive: true })
+  writeFileSync(OUT, `${JSON.stringify(result, null, 2)}\n`)
+  log(`wrote ${path.relative(process.cwd(), OUT)} in ${result.elapsedSeconds} s`)
+
+  const problems = runs.filter((run) => run.problems.length > 0)
+  if (problems.length > 0) {
+    log(`${problems.length} run(s) had problems: ${problems.map((run) => `${run.scenario}/${run.setup}/${run.round}: ${run.problems.join('; ')}`).join(' | ')}`)
+    process.exitCode = 1
+  }
+} finally {
+  await admin`DROP SCHEMA IF EXISTS ${admin(SCHEMA)} CASCADE`.catch(() => {})
+  await admin.end({ timeout: 2 })
+  await services?.stop()
+}

@@ -1,0 +1,161 @@
+/**
+ * One benchmark server, in its own process: `SETUP=<name> node --import tsx benchmarks/server.ts`
+ * (benchmarks/run.ts starts one per measurement). Prints {"port":n} on stdout once listening on
+ * 127.0.0.1; SIGTERM closes it (app, store, then the client).
+ *
+ * Environment: SETUP (one of SETUPS below); for the Postgres setups DATABASE_URL, BENCH_SCHEMA (the
+ * schema run.ts migrated: tables `records`, `floor_records`, `payments`) and BENCH_POOL_MAX (10).
+ *
+ * Every setup answers POST /pay with the same ~200-byte JSON payment (201). GET /stats (never
+ * protected) returns how many times the operation executed, so run.ts can check that fresh keys
+ * each executed once and that replays executed nothing.
+ */
+import { createHash, randomUUID } from 'node:crypto'
+import Fastify, { type FastifyReply, type FastifyRequest } from 'fastify'
+import postgres from 'postgres'
+import idempotency from '../lib/index.js'
+import { postgresStore } from '../drivers/postgres/index.js'
+
+interface PayBody { amount: number, currency: string }
+
+/** The plugin's defaults, which floor-sql writes too, so both tables hold the same rows. */
+const TTL_MS = 86_400_000
+const LEASE_MS = 30_000
+const SCOPE = 'bench'
+const RECORDED_HEADERS = { 'content-type': 'application/json; charset=utf-8' }
+
+let executions = 0
+const app = Fastify()
+app.get('/stats', async () => ({ executions }))
+
+/** Run at SIGTERM after app.close(), in order. */
+const closers: Array<() => Promise<unknown>> = []
+
+function env (name: string): string {
+  const value = process.env[name]
+  if (value === undefined || value === '') throw new Error(`benchmarks/server.ts: ${name} is not set`)
+  return value
+}
+
+function database (): postgres.Sql {
+  const sql = postgres(env('DATABASE_URL'), { max: Number(process.env.BENCH_POOL_MAX ?? '10'), onnotice: () => {} })
+  // A timeout: postgres.js 3.4.9's end() may never resolve after a connection died (porsager/postgres#1097).
+  closers.push(() => sql.end({ timeout: 2 }))
+  return sql
+}
+
+/** ~200 bytes of JSON, the same shape in every setup; `id` is padded so its length does not vary. */
+function payment (id: number | string, body: PayBody): object {
+  const n = String(id).padStart(12, '0')
+  return {
+    id: `pay_${n}`,
+    object: 'payment',
+    status: 'succeeded',
+    amount: body.amount,
+    currency: body.currency,
+    description: `benchmark payment ${n}`,
+    livemode: false,
+    created: Math.floor(Date.now() / 1000),
+    receipt: `rcpt_${n}`
+  }
+}
+
+/** The handler of every setup but pg-atomic and floor-sql: the operation itself costs nothing. */
+async function pay (request: FastifyRequest<{ Body: PayBody }>, reply: FastifyReply): Promise<FastifyReply> {
+  return reply.code(201).send(payment(++executions, request.body))
+}
+
+const SETUPS: Record<string, () => Promise<void>> = {
+  async bare () {
+    app.post('/pay', pay)
+  },
+
+  async memory () {
+    await app.register(idempotency, { scope: () => SCOPE })
+    app.post('/pay', pay)
+  },
+
+  async 'pg-lease' () {
+    const schema = env('BENCH_SCHEMA')
+    const store = postgresStore({ sql: database(), schema, table: 'records' })
+    closers.unshift(() => store.close()) // before the client ends
+    await app.register(idempotency, { store, scope: () => SCOPE })
+    app.post('/pay', pay)
+  },
+
+  // The business row commits in the same transaction as the claim and the recorded response.
+  async 'pg-atomic' () {
+    const schema = env('BENCH_SCHEMA')
+    const store = postgresStore({ sql: database(), schema, table: 'records' })
+    closers.unshift(() => store.close())
+    await app.register(idempotency, { store, scope: () => SCOPE, transaction: true })
+    app.post<{ Body: PayBody }>('/pay', async (request, reply) => {
+      const tx = request.idempotency?.sql
+      if (tx === undefined) throw new Error('pg-atomic: no transaction on the request')
+      executions++
+      const [row] = await tx`
+        INSERT INTO ${tx(schema)}.payments (idempotency_key, amount, currency)
+        VALUES (${request.idempotency?.key ?? ''}, ${request.body.amount}, ${request.body.currency})
+        RETURNING id`.values()
+      return reply.code(201).send(payment(String(row?.[0]), request.body))
+    })
+  },
+
+  // The floor: what any Postgres-backed implementation must run for a fresh key, by hand and
+  // without the plugin. A one-statement claim (INSERT ... ON CONFLICT DO NOTHING RETURNING), the
+  // operation, then one UPDATE recording the response, both prepared (postgres.js prepares every
+  // statement once per connection), on the same pool size and a table created by the same
+  // migrate() as the plugin's. It also stores what the contract needs: a fingerprint (for 422) and
+  // an owner token (fencing). A replay is the claim finding the key, then a SELECT of the record.
+  async 'floor-sql' () {
+    const schema = env('BENCH_SCHEMA')
+    const sql = database()
+    app.post<{ Body: PayBody }>('/pay', async (request, reply) => {
+      const key = request.headers['idempotency-key']
+      if (typeof key !== 'string') return reply.code(400).send()
+      const fingerprint = createHash('sha256').update(request.method).update(request.url).update(JSON.stringify(request.body)).digest()
+      const token = randomUUID()
+      const claimed = await sql`
+        INSERT INTO ${sql(schema)}.floor_records
+          (scope, key, fingerprint, fingerprint_algorithm, state, owner_token, lease_expires_at, expires_at)
+        VALUES (${SCOPE}, ${key}, ${fingerprint}, 'sha256', 'in_progress', ${token},
+                now() + ${LEASE_MS}::float8 * interval '1 millisecond', now() + ${TTL_MS}::float8 * interval '1 millisecond')
+        ON CONFLICT (scope, key) DO NOTHING
+        RETURNING true`.values()
+      if (claimed.length === 0) return replay(sql, schema, key, fingerprint, reply)
+
+      const body = Buffer.from(JSON.stringify(payment(++executions, request.body)))
+      await sql`
+        UPDATE ${sql(schema)}.floor_records
+        SET state = 'completed', response_status = ${201}, response_headers = ${sql.json(RECORDED_HEADERS)}::jsonb,
+            response_body = ${body}, lease_expires_at = NULL, expires_at = now() + ${TTL_MS}::float8 * interval '1 millisecond'
+        WHERE scope = ${SCOPE} AND key = ${key} AND owner_token = ${token} AND state = 'in_progress'`
+      return reply.code(201).headers(RECORDED_HEADERS).send(body)
+    })
+  }
+}
+
+async function replay (sql: postgres.Sql, schema: string, key: string, fingerprint: Buffer, reply: FastifyReply): Promise<FastifyReply> {
+  const [row] = await sql`
+    SELECT state, fingerprint, response_status, response_headers, response_body
+    FROM ${sql(schema)}.floor_records
+    WHERE scope = ${SCOPE} AND key = ${key} AND expires_at > now()`.values()
+  if (row === undefined) return reply.code(409).send()
+  const [state, digest, status, headers, body] = row as [string, Buffer, number, Record<string, string>, Buffer]
+  if (!digest.equals(fingerprint)) return reply.code(422).send()
+  if (state !== 'completed') return reply.code(409).send()
+  return reply.code(status).headers(headers).header('idempotent-replayed', 'true').send(body)
+}
+
+const setup = SETUPS[env('SETUP')]
+if (setup === undefined) throw new Error(`benchmarks/server.ts: unknown SETUP ${process.env.SETUP}; one of ${Object.keys(SETUPS).join(', ')}`)
+await setup()
+await app.listen({ host: '127.0.0.1', port: 0 })
+const address = app.server.address()
+process.stdout.write(JSON.stringify({ port: typeof address === 'object' && address !== null ? address.port : 0 }) + '\n')
+
+process.once('SIGTERM', () => {
+  app.close()
+    .then(async () => { for (const close of closers) await close() })
+    .then(() => process.exit(0), (err: unknown) => { console.error(err); process.exit(1) })
+})
