@@ -163,7 +163,7 @@ export function memoryStore (options: MemoryStoreOptions = {}): IdempotencyStore
         return { outcome: 'acquired', lease: { scope: request.scope, key: request.key, token: entry.token }, takeover: true }
       }
       if (entry.state === 'completed') {
-        return { outcome: 'completed', fingerprint: entry.fingerprint, response: entry.response as StoredResponse }
+        return { outcome: 'completed', fingerprint: entry.fingerprint, response: entry.response as StoredResponse, expiresInMs: entry.expiresAt - at }
       }
       return { outcome: 'in_progress', fingerprint: entry.fingerprint, leaseRemainingMs: Math.max(0, entry.leaseUntil - at) }
     },

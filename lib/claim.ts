@@ -5,7 +5,7 @@ import {
   canonicalFingerprint, customFingerprint, finishRawHash, fingerprintsEqual, startRawHash
 } from './fingerprint.js'
 import { renewWhileRunning } from './lease.js'
-import { consultPrefilter, markInFlight } from './prefiltering.js'
+import { consultPrefilter, markInFlight, rememberCompleted } from './prefiltering.js'
 import { abandon } from './settle.js'
 import type { ClaimRequest, ClaimResult, Fingerprint, StoredResponse } from './store.js'
 import { withTimeout } from './timeout.js'
@@ -53,6 +53,7 @@ export async function claimKey (engine: Engine, request: FastifyRequest, reply: 
       continue
     }
 
+    const asked = Date.now()
     let result
     try {
       if (settings.transaction) {
@@ -90,7 +91,11 @@ export async function claimKey (engine: Engine, request: FastifyRequest, reply: 
       state.log.info(decision(state, 'mismatch'), 'idempotency: key reused with a different request')
       return answer(engine, state, reply, { kind: 'key-reused' })
     }
-    if (result.outcome === 'completed') return replay(engine, reply, state, result.response)
+    if (result.outcome === 'completed') {
+      // The storm's next duplicates can then be answered without the store.
+      if (result.expiresInMs !== undefined) rememberCompleted(engine, state, result.fingerprint, result.response, result.expiresInMs, asked)
+      return replay(engine, reply, state, result.response)
+    }
 
     const remaining = deadline - Date.now()
     if (remaining <= 0) {

@@ -31,11 +31,14 @@ export function markInFlight (engine: Engine, state: RequestState, fingerprint: 
     .catch((err: unknown) => { state.log.warn({ ...decision(state, 'prefilter_error'), err }, 'idempotency: pre-filter in-flight marker not set') })
 }
 
-/** After the store committed `response` (its retention started no earlier than `committedSince`). */
-export function rememberCompleted (engine: Engine, state: RequestState, fingerprint: Fingerprint, response: StoredResponse, committedSince: number): void {
+/**
+ * Copies a record the store committed into the pre-filter, for at most `retentionMs` (the store's
+ * remaining retention, measured from `since`) minus a margin.
+ */
+export function rememberCompleted (engine: Engine, state: RequestState, fingerprint: Fingerprint, response: StoredResponse, retentionMs: number, since: number): void {
   const prefilter = engine.prefilter
   if (prefilter === null) return
-  const ttl = state.settings.ttl - (Date.now() - committedSince) - RETENTION_MARGIN_MS
+  const ttl = retentionMs - (Date.now() - since) - RETENTION_MARGIN_MS
   if (ttl <= 0) return
   prefilter.remember({ scope: state.scope, key: state.key }, fingerprint, response, ttl)
     .catch((err: unknown) => { state.log.warn({ ...decision(state, 'prefilter_error'), err }, 'idempotency: pre-filter copy of the record not written') })

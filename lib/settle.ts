@@ -112,7 +112,7 @@ async function commitThenSend (
     const committed = await withTimeout('complete', state.settings.storeTimeout, () => engine.store.complete(lease, response, state.settings.ttl))
     if (!committed) throw new Error('the transaction no longer owned the record')
     state.log.debug(decision(state, 'recorded'), 'idempotency: response recorded and transaction committed')
-    if (state.context !== null) rememberCompleted(engine, state, state.context.fingerprint, response, since)
+    if (state.context !== null) rememberCompleted(engine, state, state.context.fingerprint, response, state.settings.ttl, since)
   } catch (err) {
     state.log.error({ ...decision(state, 'store_error'), err }, 'idempotency: the transaction could not be committed; answering 500')
     clearInFlight(engine, state)
@@ -135,7 +135,7 @@ async function record (engine: Engine, state: RequestState, lease: Lease, respon
       const completed = await withTimeout('complete', state.settings.storeTimeout, () => engine.store.complete(lease, response, state.settings.ttl))
       if (completed) {
         state.log.debug(decision(state, 'recorded'), 'idempotency: response recorded')
-        if (state.context !== null) rememberCompleted(engine, state, state.context.fingerprint, response, since)
+        if (state.context !== null) rememberCompleted(engine, state, state.context.fingerprint, response, state.settings.ttl, since)
       } else {
         state.log.warn(decision(state, 'lease_lost'), 'idempotency: the key was taken over while this request ran; its response was not recorded')
       }

@@ -76,6 +76,11 @@ export interface ClaimCompleted {
   readonly outcome: 'completed'
   readonly fingerprint: Fingerprint
   readonly response: StoredResponse
+  /**
+   * Optional: milliseconds until the record expires. When given, a pre-filter may keep a copy for
+   * at most that long; without it, a record read from the store is not copied.
+   */
+  readonly expiresInMs?: number
 }
 
 export type ClaimResult = ClaimAcquired | ClaimInProgress | ClaimCompleted

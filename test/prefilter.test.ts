@@ -87,10 +87,16 @@ function suite (name: string, connect: () => Redis | Cluster): void {
     })
 
     t.test('a storm: 500 requests on 10 keys execute exactly 10 times, and duplicates rarely reach the store', async (t) => {
-      const { app, store, runs } = await world(t, { delay: 80 })
+      const prefilter = redisPrefilter({ client, prefix: `t${randomBytes(4).toString('hex')}`, timeout: 200 })
+      const { app, store, runs } = await world(t, { delay: 250, prefilter })
       const keys = Array.from({ length: 10 }, (_, i) => `storm-${i}`)
       const originals = keys.map((key) => pay(app, key))
-      await sleep(20) // the originals are in flight and their markers set
+      // The storm proper starts once the originals run and their in-flight markers are set.
+      for (let i = 0; i < 100; i++) {
+        const hits = await Promise.all(keys.map((key) => prefilter.lookup({ scope: 'tenant', key })))
+        if (hits.every((hit) => hit !== null)) break
+        await sleep(5)
+      }
       const answers: LightMyRequestResponse[] = []
       const duplicates: Array<Promise<void>> = []
       for (const key of keys) {
@@ -100,7 +106,7 @@ function suite (name: string, connect: () => Redis | Cluster): void {
             for (let attempt = 0; attempt < 50; attempt++) {
               const answer = await pay(app, key)
               if (answer.statusCode !== 409) { answers.push(answer); return }
-              await sleep(15)
+              await sleep(25)
             }
           })())
         }
@@ -127,6 +133,10 @@ function suite (name: string, connect: () => Redis | Cluster): void {
       t.equal(replay.body, first.body)
       t.equal(replay.headers['idempotent-replayed'], 'true')
       t.equal(runs.get('k2'), 1)
+      await settled()
+      const again = await pay(app, 'k2')
+      t.equal(store.calls.claim, claims + 1, 'the record read from the store was copied back: no further store call')
+      t.equal(again.body, first.body)
     })
 
     t.test('a stale in-flight marker delays a retry by at most its ttl, then the store decides', async (t) => {
@@ -182,3 +192,82 @@ function suite (name: string, connect: () => Redis | Cluster): void {
     })
   })
 }
+
+t.test('Redis stopped in the middle of a storm and restarted: one execution per key, every answer consistent', async (t) => {
+  const { spawn, execFileSync } = await import('node:child_process')
+  const { mkdtempSync, rmSync } = await import('node:fs')
+  const { tmpdir } = await import('node:os')
+  const { join } = await import('node:path')
+  const { createServer } = await import('node:net')
+  const port = await new Promise<number>((resolve) => {
+    const probe = createServer().listen(0, '127.0.0.1', () => {
+      const address = probe.address()
+      probe.close(() => resolve(typeof address === 'object' && address !== null ? address.port : 0))
+    })
+  })
+  const dir = mkdtempSync(join(tmpdir(), 'idem-redis-restart-'))
+  const bin = process.env.REDIS_SERVER_BIN ?? 'redis-server'
+  const start = async (): Promise<void> => {
+    spawn(bin, ['--port', String(port), '--bind', '127.0.0.1', '--save', '', '--appendonly', 'no', '--dir', dir, '--daemonize', 'yes', '--logfile', join(dir, 'redis.log')], { stdio: 'ignore' })
+    const probe = new Redis(port, '127.0.0.1', { lazyConnect: true, maxRetriesPerRequest: 0, retryStrategy: () => null })
+    for (let i = 0; i < 200; i++) {
+      try { await probe.connect(); await probe.ping(); break } catch { await sleep(20) }
+    }
+    probe.disconnect()
+  }
+  const stop = (): void => { try { execFileSync('redis-cli', ['-p', String(port), 'shutdown', 'nosave'], { stdio: 'ignore' }) } catch {} }
+  t.teardown(() => { stop(); rmSync(dir, { recursive: true, force: true }) })
+  await start()
+
+  const client = new Redis(port, '127.0.0.1', { maxRetriesPerRequest: 0, enableOfflineQueue: false, retryStrategy: () => 20 })
+  client.on('error', () => {})
+  t.teardown(() => { client.disconnect() })
+  const store = countedStore()
+  const app = Fastify()
+  t.teardown(() => app.close())
+  const prefilter = redisPrefilter({ client, timeout: 50 })
+  await app.register(idempotency, { store, prefilter, scope: () => 'tenant' })
+  const runs = new Map<string, number>()
+  app.post('/pay', async (request) => {
+    const key = request.idempotency?.key ?? ''
+    runs.set(key, (runs.get(key) ?? 0) + 1)
+    await sleep(20)
+    return { key, charge: randomBytes(6).toString('hex') }
+  })
+
+  const keys = Array.from({ length: 10 }, (_, i) => `restart-${i}`)
+  const bodies = new Map<string, Set<string>>(keys.map((key) => [key, new Set()]))
+  let failures = 0
+  const retryingClient = async (key: string): Promise<void> => {
+    for (let attempt = 0; attempt < 400; attempt++) {
+      const answer = await app.inject({ method: 'POST', url: '/pay', headers: keyed(key), payload: {} })
+      if (answer.statusCode === 409) { await sleep(10); continue }
+      if (answer.statusCode !== 200) failures++
+      bodies.get(key)?.add(answer.body)
+      return
+    }
+  }
+  const storm = async (): Promise<void> => { await Promise.all(keys.flatMap((key) => Array.from({ length: 20 }, () => retryingClient(key)))) }
+  const first = storm()
+  await sleep(10)
+  stop()
+  await first
+  await storm()
+  await start()
+  await sleep(100)
+  await storm() // Redis is back but empty: the store answers, and its records are copied back in
+  for (let i = 0; i < 100; i++) {
+    const hits = await Promise.all(keys.map((key) => prefilter.lookup({ scope: 'tenant', key }).catch(() => null)))
+    if (hits.every((hit) => hit?.state === 'completed')) break
+    await sleep(10)
+  }
+  const claims = store.calls.claim
+  await storm()
+  t.equal(store.calls.claim, claims, 'once the copies are back, the storm is answered from Redis alone')
+  t.equal(failures, 0, 'no request failed because Redis went away')
+  t.same(keys.map((key) => runs.get(key)), Array(10).fill(1), 'exactly one execution per key')
+  t.ok([...bodies.values()].every((set) => set.size === 1), 'every client of a key got the same body')
+  const stats = prefilter.stats
+  t.ok(stats.failures > 0, `the outage was counted (${stats.failures} operations fell through to the store)`)
+  t.ok(stats.hits > 0, `after the restart Redis answered again (${stats.hits} hits)`)
+})

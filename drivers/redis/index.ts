@@ -3,6 +3,6 @@
  * optional peer dependency, imported only through this entry point. Redis is never the source of
  * truth: see lib/prefilter.ts for what a pre-filter may and may not decide.
  */
-export { redisPrefilter } from './prefilter.js'
+export { redisPrefilter, type PrefilterStats, type RedisPrefilter } from './prefilter.js'
 export { PrefilterClosedError, PrefilterTimeoutError } from './errors.js'
 export type { RedisPrefilterOptions } from './options.js'

@@ -10,12 +10,27 @@ import { COMMAND, defineScripts } from './scripts.js'
  * decides who executes. Every method is one command or one Lua script on one hash, bounded by
  * `timeout`; anything that goes wrong rejects, and the core reads a rejection as a miss.
  */
-export function redisPrefilter (options: RedisPrefilterOptions): IdempotencyPrefilter {
+/** Counters of what the pre-filter did: how often it answered, and how often it fell through to the store. */
+export interface PrefilterStats {
+  /** Lookups answered from Redis (a completed record or an in-flight marker). */
+  readonly hits: number
+  /** Lookups that found nothing: the store answered. */
+  readonly misses: number
+  /** Operations that failed or exceeded `timeout`: the request fell through to the store (fail open). */
+  readonly failures: number
+}
+
+export interface RedisPrefilter extends IdempotencyPrefilter {
+  readonly stats: PrefilterStats
+}
+
+export function redisPrefilter (options: RedisPrefilterOptions): RedisPrefilter {
   const { client, prefix, timeout } = resolvePrefilterOptions(options)
   const scripts = defineScripts(client)
   /** Rejecters of operations still waiting, so close() can settle them and stop their timers. */
   const pending = new Set<(error: Error) => void>()
   let closed = false
+  const stats = { hits: 0, misses: 0, failures: 0 }
 
   /**
    * Runs one Redis call with a deadline. The call's own promise always gets both handlers attached,
@@ -46,6 +61,9 @@ export function redisPrefilter (options: RedisPrefilterOptions): IdempotencyPref
         pending.delete(settle)
         resolve(value) // a no-op when the deadline already rejected
       }, (error: unknown) => settle(error instanceof Error ? error : new Error(String(error))))
+    }).catch((error: unknown) => {
+      stats.failures++
+      throw error
     })
   }
 
@@ -54,8 +72,13 @@ export function redisPrefilter (options: RedisPrefilterOptions): IdempotencyPref
       // One HGETALL is atomic: a half-written record can never be seen (scripts write in one go).
       // The Buffer variant keeps digests and bodies byte-identical.
       const fields = await bounded('lookup', () => client.hgetallBuffer(recordKey(prefix, id)))
-      return parseHit(fields)
+      const hit = parseHit(fields)
+      if (hit === null) stats.misses++
+      else stats.hits++
+      return hit
     },
+
+    get stats (): PrefilterStats { return { ...stats } },
 
     async markInFlight (id, fingerprint, ttlMs) {
       const ttl = ttlOf('markInFlight', ttlMs)
