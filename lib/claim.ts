@@ -36,7 +36,7 @@ export async function claimKey (engine: Engine, request: FastifyRequest, reply: 
   const deadline = settings.wait > 0 ? Date.now() + settings.wait : 0
   let poll = FIRST_POLL_MS
   for (;;) {
-    const hit = await consultPrefilter(engine, state)
+    const hit = engine.prefilter === null ? null : await consultPrefilter(engine, state)
     if (hit !== null) {
       if (!fingerprintsEqual(hit.fingerprint, fingerprint)) {
         state.log.info(decision(state, 'mismatch'), 'idempotency: key reused with a different request (pre-filter)')

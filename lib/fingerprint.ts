@@ -1,4 +1,4 @@
-import { createHash, type Hash } from 'node:crypto'
+import { createHash, hash, type Hash } from 'node:crypto'
 import { Transform, type TransformCallback } from 'node:stream'
 import type { FastifyRequest } from 'fastify'
 import type { Fingerprint } from './store.js'
@@ -32,13 +32,15 @@ export const RAW = 'raw-v1'
 export const CUSTOM = 'custom-v1'
 
 export function canonicalFingerprint (method: string, url: string, body: unknown, contentType?: string): Fingerprint {
-  const hash = createHash('sha256').update(method).update('\n').update(url).update('\n')
-  if (body === undefined) hash.update('none')
-  else if (Buffer.isBuffer(body)) hash.update('bytes:').update(body)
+  const head = `${method}\n${url}\n`
+  let input: string | Buffer
+  if (body === undefined) input = `${head}none`
+  else if (Buffer.isBuffer(body)) input = Buffer.concat([Buffer.from(`${head}bytes:`), body])
   // A string is text unless a JSON parser produced it (a JSON body `"x"`), which must not collide with text `x`.
-  else if (typeof body === 'string' && !isJson(contentType)) hash.update('text:').update(body)
-  else hash.update('json:').update(canonicalJson(body))
-  return { algorithm: CANONICAL, digest: hash.digest() }
+  else if (typeof body === 'string' && !isJson(contentType)) input = `${head}text:${body}`
+  else input = `${head}json:${canonicalJson(body)}`
+  // One-shot hashing: this runs on every protected request, and a Hash object costs more than the digest.
+  return { algorithm: CANONICAL, digest: hash('sha256', input, 'buffer') }
 }
 
 function isJson (contentType: string | undefined): boolean {
@@ -49,7 +51,7 @@ function isJson (contentType: string | undefined): boolean {
 }
 
 export function customFingerprint (value: string | Buffer): Fingerprint {
-  return { algorithm: CUSTOM, digest: createHash('sha256').update(value).digest() }
+  return { algorithm: CUSTOM, digest: hash('sha256', value, 'buffer') }
 }
 
 export function fingerprintsEqual (a: Fingerprint, b: Fingerprint): boolean {

@@ -14,7 +14,7 @@ export interface RouteHooks {
   readonly preParsing: ((request: FastifyRequest, reply: FastifyReply, payload: RequestPayload, done: (err: Error | null, payload?: RequestPayload) => void) => void) | null
   readonly preHandler: (request: FastifyRequest, reply: FastifyReply) => Promise<FastifyReply | undefined>
   readonly onError: (request: FastifyRequest, reply: FastifyReply, error: FastifyError, done: () => void) => void
-  readonly onResponse: (request: FastifyRequest, reply: FastifyReply) => Promise<void>
+  readonly onResponse: (request: FastifyRequest, reply: FastifyReply, done: HookHandlerDoneFunction) => void
   readonly onTimeout: (request: FastifyRequest, reply: FastifyReply, done: HookHandlerDoneFunction) => void
 }
 
@@ -61,9 +61,11 @@ export function routeHooks (engine: Engine, settings: RouteSettings, methods: Re
     done()
   }
 
-  async function idempotencyCleanup (request: FastifyRequest): Promise<void> {
+  // Callback style: it runs on every protected request and almost never has anything to do.
+  function idempotencyCleanup (request: FastifyRequest, _reply: FastifyReply, done: HookHandlerDoneFunction): void {
     const state = stateOf(request)
-    if (state !== null && state.phase === 'owner') await releaseUnsent(engine, state)
+    if (state === null || state.phase !== 'owner') return done()
+    releaseUnsent(engine, state).then(() => done(), done)
   }
 
   // The socket timed out (connectionTimeout): as for a client that left, stop renewing the lease.
