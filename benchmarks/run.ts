@@ -41,9 +41,11 @@ const CONFIG = {
   replayKeys: 100
 } as const
 
-const SETUPS = ['bare', 'memory', 'pg-lease', 'pg-atomic', 'floor-sql'] as const
+const SETUPS = ['bare', 'memory', 'pg-lease', 'pg-atomic', 'pg-redis', 'floor-sql'] as const
 type Setup = typeof SETUPS[number]
-const PG_SETUPS: ReadonlySet<Setup> = new Set(['pg-lease', 'pg-atomic', 'floor-sql'])
+const PG_SETUPS: ReadonlySet<Setup> = new Set(['pg-lease', 'pg-atomic', 'pg-redis', 'floor-sql'])
+/** The duplicate storm: many connections on few keys, each key hammered concurrently (issue 5). */
+const STORM = { connections: 200, keys: 20 } as const
 
 const BODY = '{"amount":1000,"currency":"EUR"}'
 
@@ -62,6 +64,10 @@ interface Run {
   timeouts: number
   /** Operations the server executed during the measured load (GET /stats before and after). */
   executions: number
+  /** The same, counting from before the warm-up. */
+  executionsWithWarmup: number
+  /** Calls that reached the store during the measured load, per request (setups that count them). */
+  storeCallsPerRequest: number | null
   peakRssMiB: number
   ratioToBare: number | null
   ratioToFloor: number | null
@@ -76,6 +82,10 @@ interface Scenario {
   prepare?: (url: string, tag: string) => Promise<void>
   /** autocannon's request list; `tag` is unique to the measurement. */
   requests: (tag: string) => autocannon.Request[]
+  /** Connections of this scenario's load (CONFIG.connections otherwise). */
+  connections?: number
+  /** Statuses that are a correct answer here besides 2xx (a storm's 409s). */
+  allowedNon2xx?: readonly number[]
   /** What must hold of a measured run (beyond 0 errors): returns the problems. */
   check: (run: Run) => string[]
 }
@@ -131,6 +141,20 @@ const SCENARIOS: readonly Scenario[] = [
     },
     // bare has no idempotency: it executes every request.
     check: (run) => run.setup === 'bare' || run.executions === 0 ? [] : [`${run.executions} executions during replays`]
+  },
+  {
+    name: 'storm',
+    description: `${STORM.connections} connections hammering ${STORM.keys} keys (duplicates: 409 while in flight, then replays)`,
+    setups: ['bare', 'pg-lease', 'pg-redis'],
+    connections: STORM.connections,
+    allowedNon2xx: [409],
+    requests (tag) {
+      let i = 0
+      return keyed(() => `"s-${i++ % STORM.keys}-${tag}"`)
+    },
+    check: (run) => run.setup === 'bare' || run.executionsWithWarmup === STORM.keys
+      ? []
+      : [`${run.executionsWithWarmup} executions for ${STORM.keys} keys`]
   }
 ]
 
@@ -144,14 +168,16 @@ process.once('exit', () => { server?.kill('SIGKILL'); services?.stop.sync() })
 process.once('SIGINT', () => process.exit(130))
 process.once('SIGTERM', () => process.exit(143))
 
-if (process.env.DATABASE_URL === undefined || process.env.DATABASE_URL === '') {
+if (!process.env.DATABASE_URL || !process.env.REDIS_URL) {
+  // It starts only what is not already given by DATABASE_URL / REDIS_URL.
   // Imported through a computed specifier: services.mjs is plain JS without type declarations.
   const { startServices } = await import(new URL('../scripts/services.mjs', import.meta.url).href) as {
     startServices: (options: { redis: boolean, redisCluster: boolean }) => Promise<Services>
   }
-  services = await startServices({ redis: false, redisCluster: false })
+  services = await startServices({ redis: true, redisCluster: false })
 }
 const DATABASE_URL = services?.env.DATABASE_URL ?? process.env.DATABASE_URL ?? ''
+const REDIS_URL = services?.env.REDIS_URL ?? process.env.REDIS_URL ?? ''
 const SCHEMA = `bench_${randomBytes(4).toString('hex')}`
 const admin = postgres(DATABASE_URL, { max: 2, onnotice: () => {} })
 
@@ -182,7 +208,7 @@ async function describeDatabase (): Promise<Record<string, string>> {
 async function startServer (setup: Setup): Promise<{ url: string, pid: number, stop: () => Promise<void> }> {
   const child = spawn(process.execPath, ['--import', 'tsx', SERVER], {
     cwd: ROOT,
-    env: { ...process.env, SETUP: setup, DATABASE_URL, BENCH_SCHEMA: SCHEMA, BENCH_POOL_MAX: String(CONFIG.poolMax) },
+    env: { ...process.env, SETUP: setup, DATABASE_URL, REDIS_URL, BENCH_SCHEMA: SCHEMA, BENCH_POOL_MAX: String(CONFIG.poolMax) },
     stdio: ['ignore', 'pipe', 'inherit']
   })
   server = child
@@ -210,10 +236,10 @@ async function startServer (setup: Setup): Promise<{ url: string, pid: number, s
   }
 }
 
-function load (url: string, requests: autocannon.Request[], seconds: number): Promise<autocannon.Result> {
+function load (url: string, requests: autocannon.Request[], seconds: number, connections: number): Promise<autocannon.Result> {
   return autocannon({
     url,
-    connections: CONFIG.connections,
+    connections,
     duration: seconds,
     // The stop is checked at each sample; the default (1 s) would stretch a 1.5 s run to 2 s.
     sampleInt: 100,
@@ -223,9 +249,10 @@ function load (url: string, requests: autocannon.Request[], seconds: number): Pr
   })
 }
 
-async function executions (url: string): Promise<number> {
+async function stats (url: string): Promise<{ executions: number, storeCalls: number | null }> {
   const response = await fetch(`${url}/stats`)
-  return ((await response.json()) as { executions: number }).executions
+  const body = await response.json() as { executions: number, storeCalls?: number }
+  return { executions: body.executions, storeCalls: body.storeCalls ?? null }
 }
 
 /** The server's peak resident set, from the kernel: VmHWM in /proc/<pid>/status. */
@@ -242,10 +269,13 @@ async function measure (scenario: Scenario, setup: Setup, round: number): Promis
     const tag = randomBytes(4).toString('hex')
     await scenario.prepare?.(instance.url, tag)
     const requests = scenario.requests(tag)
-    await load(instance.url, requests, CONFIG.warmupSeconds)
-    const before = await executions(instance.url)
-    const result = await load(instance.url, requests, CONFIG.durationSeconds)
-    const after = await executions(instance.url)
+    const connections = scenario.connections ?? CONFIG.connections
+    const initial = await stats(instance.url)
+    await load(instance.url, requests, CONFIG.warmupSeconds, connections)
+    const before = await stats(instance.url)
+    const result = await load(instance.url, requests, CONFIG.durationSeconds, connections)
+    const after = await stats(instance.url)
+    const counts = before.storeCalls !== null && after.storeCalls !== null && (setup === 'pg-lease' || setup === 'pg-redis')
     const run: Run = {
       scenario: scenario.name,
       round,
@@ -265,13 +295,17 @@ async function measure (scenario: Scenario, setup: Setup, round: number): Promis
       non2xx: result.non2xx,
       errors: result.errors,
       timeouts: result.timeouts,
-      executions: after - before,
+      executions: after.executions - before.executions,
+      executionsWithWarmup: after.executions - initial.executions,
+      storeCallsPerRequest: counts ? Math.round((after.storeCalls! - before.storeCalls!) / result.requests.total * 1000) / 1000 : null,
       peakRssMiB: peakRssMiB(instance.pid),
       ratioToBare: null,
       ratioToFloor: null,
       problems: []
     }
-    if (run.errors > 0 || run.non2xx > 0) run.problems.push(`${run.errors} errors, ${run.non2xx} non-2xx (${JSON.stringify(run.statusCodes)})`)
+    const allowed = new Set(scenario.allowedNon2xx ?? [])
+    const unexpected = Object.entries(run.statusCodes).some(([code, count]) => count > 0 && !code.startsWith('2') && !allowed.has(Number(code)))
+    if (run.errors > 0 || unexpected) run.problems.push(`${run.errors} errors, ${run.non2xx} non-2xx (${JSON.stringify(run.statusCodes)})`)
     run.problems.push(...scenario.check(run))
     return run
   } finally {
@@ -312,6 +346,8 @@ interface Summary {
   non2xx: number
   errors: number
   peakRssMiB: number
+  /** Median calls reaching the store per request (pg-lease, pg-redis). */
+  storeCallsPerRequest: number | null
 }
 
 function summarise (runs: Run[], scenario: Scenario): Summary[] {
@@ -331,14 +367,15 @@ function summarise (runs: Run[], scenario: Scenario): Summary[] {
       p99Ms: median(mine.map((run) => run.latencyMs.p99)),
       non2xx: mine.reduce((sum, run) => sum + run.non2xx, 0),
       errors: mine.reduce((sum, run) => sum + run.errors, 0),
-      peakRssMiB: Math.max(...mine.map((run) => run.peakRssMiB))
+      peakRssMiB: Math.max(...mine.map((run) => run.peakRssMiB)),
+      storeCallsPerRequest: medianRatio((run) => run.storeCallsPerRequest)
     }
   })
 }
 
 function table (scenario: Scenario, rows: Summary[]): string {
-  const head = ['setup', 'req/s', '× bare', '× floor-sql', 'p50 ms', 'p99 ms', 'non-2xx', 'errors', 'peak RSS', 'req/s by round']
-  const fixed = (v: number | null): string => v === null ? '—' : v.toFixed(2)
+  const head = ['setup', 'req/s', '× bare', '× floor-sql', 'p50 ms', 'p99 ms', 'non-2xx', 'errors', 'store calls/req', 'peak RSS', 'req/s by round']
+  const fixed = (v: number | null, digits = 2): string => v === null ? '—' : v.toFixed(digits)
   const body = rows.map((row) => [
     row.setup,
     Math.round(row.requestsPerSecond).toLocaleString('en-US'),
@@ -348,6 +385,7 @@ function table (scenario: Scenario, rows: Summary[]): string {
     String(row.p99Ms),
     String(row.non2xx),
     String(row.errors),
+    fixed(row.storeCallsPerRequest, 3),
     `${row.peakRssMiB} MiB`,
     row.requestsPerSecondByRound.map((v) => v.toLocaleString('en-US')).join(' ')
   ])
