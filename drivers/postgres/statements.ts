@@ -17,8 +17,9 @@ import type { PostgresClient, ResolvedNames } from './options.js'
  *   row's new version (EvalPlanQual), so exactly one of several racing statements matches.
  * - Results are read positionally (`.values()`), so a client created with a column-name transform
  *   (postgres.camel, postgres.pascal, ...) reads the same columns.
- * - postgres.js prepares every statement (named, once per connection): after the first use on a
- *   connection, each call is a single round trip (Bind/Execute/Sync).
+ * - Every statement's text is fixed (built once per createStatements) and postgres.js prepares it
+ *   (named, once per connection): after the first use on a connection, each call is a single
+ *   round trip (Bind/Execute/Sync) that only binds values.
  */
 
 /** What the claim statement saw when its insert did nothing: the row as of the statement's snapshot. */
@@ -64,41 +65,132 @@ type RecordColumns = [
 ]
 type ClaimColumns = [acquired: boolean, ...RecordColumns]
 
-/** `sql` is the pooled client (lease mode) or a transaction's handle (atomic mode). */
+/** The rendering of `sql(name)`: postgres.js's Identifier keeps the quoted, escaped name in `value`. */
+interface RenderedIdentifier { readonly value: unknown }
+
+/**
+ * `sql` is the pooled client (lease mode) or a transaction's handle (atomic mode); both have
+ * `unsafe`, and a transaction's statements run on its connection, prepared there like any other.
+ *
+ * Every statement's text is built ONCE, here, and each call only binds its values: building a
+ * statement from nested fragments on every call (and so its ~1 kB text and the prepared-statement
+ * lookup key) was most of the driver's CPU time. `unsafe` with `prepare: true` still prepares each
+ * text (named, once per connection) as a tagged template would, and still honours a client created
+ * with `prepare: false` (postgres.js ANDs the two). The values are the only input: no text is ever
+ * built from one. Where a parameter's type matters, the text casts it; the others (scope, key, the
+ * fingerprint algorithm) take their column's type, text.
+ */
 export function createStatements (sql: PostgresClient | TransactionSql<any>, names: ResolvedNames): Statements {
-  const table = (): ReturnType<typeof sql> => sql`${sql(names.schema)}.${sql(names.table)}`
-  const later = (ms: number): ReturnType<typeof sql> => sql`now() + ${ms}::float8 * interval '1 millisecond'`
+  const table = `${identifier(sql, names.schema)}.${identifier(sql, names.table)}`
+  /** now() plus the duration in ms bound as parameter $n. */
+  const later = (n: number): string => `now() + $${n}::float8 * interval '1 millisecond'`
   // The record's columns as RecordColumns lists them. The lease's remaining time is computed by the
   // database (0 once lapsed; ceil so that it is 0 exactly when lease_expires_at <= now()). The body
   // of an expired record is not fetched: it is about to be replaced.
-  const recordColumns = (): ReturnType<typeof sql> => sql`
+  const recordColumns = `
     state, fingerprint_algorithm, fingerprint, owner_token::text, expires_at <= now(), lease_expires_at <= now(),
     greatest(0, ceil(extract(epoch FROM lease_expires_at - now()) * 1000))::float8,
     response_status, response_headers, CASE WHEN expires_at > now() THEN response_body END`
 
+  // claim, reclaim and takeover bind the same values (claimValues), in this order:
+  // $1 scope, $2 key, $3 digest, $4 algorithm, $5 new token, $6 lease ms, $7 ttl ms, $8 seen token.
+
+  // The fresh-key path in ONE statement: the insert claims the key, or (ON CONFLICT DO NOTHING)
+  // changes nothing and the second branch reads the row that is in the way. Both branches share
+  // the statement's snapshot, so the read cannot see the row this statement inserted: NOT EXISTS
+  // keeps it from also returning a row deleted concurrently. If the conflicting row was
+  // committed after the snapshot was taken (the insert waited for its inserter), the read sees
+  // nothing and the result is null: the caller runs the statement again with a new snapshot.
+  // DO NOTHING, never DO UPDATE: on Citus its SET/WHERE allow immutable expressions only (citus-notes 1).
+  const claimText = `
+    WITH claimed AS (
+      INSERT INTO ${table} (scope, key, fingerprint, fingerprint_algorithm, state, owner_token, lease_expires_at, expires_at)
+      VALUES ($1, $2, $3::bytea, $4, 'in_progress', $5::uuid, ${later(6)}, ${later(7)})
+      ON CONFLICT (scope, key) DO NOTHING
+      RETURNING true AS acquired
+    )
+    SELECT acquired, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL FROM claimed
+    UNION ALL
+    SELECT false, ${recordColumns}
+    FROM ${table}
+    WHERE scope = $1 AND key = $2 AND NOT EXISTS (SELECT FROM claimed)
+  `
+
+  // A record past its ttl is dead: any request reclaims it as a fresh one (takeover: false). The
+  // token seen by the claim statement pins the row version, so two reclaimers cannot both win.
+  const reclaimText = `
+    UPDATE ${table}
+    SET fingerprint = $3::bytea, fingerprint_algorithm = $4,
+        state = 'in_progress', owner_token = $5::uuid,
+        lease_expires_at = ${later(6)}, expires_at = ${later(7)}, created_at = now(),
+        response_status = NULL, response_headers = NULL, response_body = NULL
+    WHERE scope = $1 AND key = $2 AND owner_token = $8::uuid AND expires_at <= now()
+  `
+
+  // An in-progress record whose owner stopped renewing, retried with the same request: handed to
+  // a new token (the old one stops working: complete/release/renew are fenced by it). The record
+  // lives at least a ttl from now, as a newly created one would.
+  const takeoverText = `
+    UPDATE ${table}
+    SET owner_token = $5::uuid, lease_expires_at = ${later(6)},
+        expires_at = greatest(expires_at, ${later(7)})
+    WHERE scope = $1 AND key = $2 AND owner_token = $8::uuid
+      AND state = 'in_progress' AND lease_expires_at <= now() AND expires_at > now()
+      AND fingerprint_algorithm = $4 AND fingerprint = $3::bytea
+  `
+
+  // Fenced by the token, not by time: an owner whose lease lapsed but was not taken over still
+  // records its outcome (the effect happened; recording it is what stops a second execution).
+  // The headers are bound as JSON text and cast by the database: a parameter the database
+  // describes as jsonb would be JSON-encoded by postgres.js a second time (into a JSON string).
+  const completeText = `
+    UPDATE ${table}
+    SET state = 'completed', response_status = $4::int,
+        response_headers = $5::text::jsonb, response_body = $6::bytea,
+        lease_expires_at = NULL, expires_at = ${later(7)}
+    WHERE scope = $1 AND key = $2 AND owner_token = $3::uuid AND state = 'in_progress'
+  `
+
+  const releaseText = `
+    DELETE FROM ${table}
+    WHERE scope = $1 AND key = $2 AND owner_token = $3::uuid AND state = 'in_progress'
+  `
+
+  // The record is kept at least until the lease ends: a handler running longer than the ttl must
+  // not have its in-progress record expire (and be reclaimed by a retry) while it still renews.
+  const renewText = `
+    UPDATE ${table}
+    SET lease_expires_at = ${later(4)}, expires_at = greatest(expires_at, ${later(4)})
+    WHERE scope = $1 AND key = $2 AND owner_token = $3::uuid AND state = 'in_progress'
+  `
+
+  const getText = `
+    SELECT ${recordColumns}
+    FROM ${table}
+    WHERE scope = $1 AND key = $2 AND expires_at > now()
+  `
+
+  // The portable bounded form (citus-notes 3: no ctid batches, no multi-shard SKIP LOCKED), with
+  // `expires_at <= now()` repeated on the outer DELETE. Without it, a record reclaimed by a
+  // concurrent claim after the subquery picked it would still be deleted: EvalPlanQual re-checks
+  // the DELETE's own conditions on the new row version, not the subquery's, so the live record
+  // of a new owner would vanish (and a retry would execute a second time). The limit fits an int:
+  // the store never asks for more than purgeBatch (at most 2^31 - 1) in one statement.
+  const purgeText = `
+    DELETE FROM ${table}
+    WHERE expires_at <= now()
+      AND (scope, key) IN (SELECT scope, key FROM ${table} WHERE expires_at <= now() LIMIT $1::int)
+  `
+
+  const run = (text: string, values: Value[]): ReturnType<typeof sql.unsafe> => sql.unsafe(text, values, { prepare: true })
+  const claimValues = (args: ClaimArgs, seenToken: string): Value[] =>
+    [args.scope, args.key, args.fingerprint.digest, args.fingerprint.algorithm, args.token, args.leaseMs, args.ttlMs, seenToken]
+
   return {
-    // The fresh-key path in ONE statement: the insert claims the key, or (ON CONFLICT DO NOTHING)
-    // changes nothing and the second branch reads the row that is in the way. Both branches share
-    // the statement's snapshot, so the read cannot see the row this statement inserted: NOT EXISTS
-    // keeps it from also returning a row deleted concurrently. If the conflicting row was
-    // committed after the snapshot was taken (the insert waited for its inserter), the read sees
-    // nothing and the result is null: the caller runs the statement again with a new snapshot.
-    // DO NOTHING, never DO UPDATE: on Citus its SET/WHERE allow immutable expressions only (citus-notes 1).
     async claim (args) {
-      const rows = await sql`
-        WITH claimed AS (
-          INSERT INTO ${table()} (scope, key, fingerprint, fingerprint_algorithm, state, owner_token, lease_expires_at, expires_at)
-          VALUES (${args.scope}, ${args.key}, ${args.fingerprint.digest}, ${args.fingerprint.algorithm}, 'in_progress',
-                  ${args.token}, ${later(args.leaseMs)}, ${later(args.ttlMs)})
-          ON CONFLICT (scope, key) DO NOTHING
-          RETURNING true AS acquired
-        )
-        SELECT acquired, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL FROM claimed
-        UNION ALL
-        SELECT false, ${recordColumns()}
-        FROM ${table()}
-        WHERE scope = ${args.scope} AND key = ${args.key} AND NOT EXISTS (SELECT FROM claimed)
-      `.values()
+      const rows = await run(claimText, [
+        args.scope, args.key, args.fingerprint.digest, args.fingerprint.algorithm, args.token, args.leaseMs, args.ttlMs
+      ]).values()
       const row = rows[0] as ClaimColumns | undefined
       if (row === undefined) return null
       if (row[0]) return { acquired: true }
@@ -106,91 +198,61 @@ export function createStatements (sql: PostgresClient | TransactionSql<any>, nam
       return { acquired: false, record: recordOf(record) }
     },
 
-    // A record past its ttl is dead: any request reclaims it as a fresh one (takeover: false). The
-    // token seen by the claim statement pins the row version, so two reclaimers cannot both win.
     async reclaim (args, seenToken) {
-      const result = await sql`
-        UPDATE ${table()}
-        SET fingerprint = ${args.fingerprint.digest}, fingerprint_algorithm = ${args.fingerprint.algorithm},
-            state = 'in_progress', owner_token = ${args.token},
-            lease_expires_at = ${later(args.leaseMs)}, expires_at = ${later(args.ttlMs)}, created_at = now(),
-            response_status = NULL, response_headers = NULL, response_body = NULL
-        WHERE scope = ${args.scope} AND key = ${args.key} AND owner_token = ${seenToken} AND expires_at <= now()
-      `
+      const result = await run(reclaimText, claimValues(args, seenToken))
       return result.count === 1
     },
 
-    // An in-progress record whose owner stopped renewing, retried with the same request: handed to
-    // a new token (the old one stops working: complete/release/renew are fenced by it). The record
-    // lives at least a ttl from now, as a newly created one would.
     async takeover (args, seenToken) {
-      const result = await sql`
-        UPDATE ${table()}
-        SET owner_token = ${args.token}, lease_expires_at = ${later(args.leaseMs)},
-            expires_at = greatest(expires_at, ${later(args.ttlMs)})
-        WHERE scope = ${args.scope} AND key = ${args.key} AND owner_token = ${seenToken}
-          AND state = 'in_progress' AND lease_expires_at <= now() AND expires_at > now()
-          AND fingerprint_algorithm = ${args.fingerprint.algorithm} AND fingerprint = ${args.fingerprint.digest}
-      `
+      const result = await run(takeoverText, claimValues(args, seenToken))
       return result.count === 1
     },
 
-    // Fenced by the token, not by time: an owner whose lease lapsed but was not taken over still
-    // records its outcome (the effect happened; recording it is what stops a second execution).
     async complete (lease, response, ttlMs) {
-      const result = await sql`
-        UPDATE ${table()}
-        SET state = 'completed', response_status = ${response.statusCode},
-            response_headers = ${sql.json(response.headers)}::jsonb, response_body = ${response.body},
-            lease_expires_at = NULL, expires_at = ${later(ttlMs)}
-        WHERE scope = ${lease.scope} AND key = ${lease.key} AND owner_token = ${lease.token} AND state = 'in_progress'
-      `
+      const result = await run(completeText, [
+        lease.scope, lease.key, lease.token, response.statusCode, JSON.stringify(response.headers), response.body, ttlMs
+      ])
       return result.count === 1
     },
 
     async release (lease) {
-      const result = await sql`
-        DELETE FROM ${table()}
-        WHERE scope = ${lease.scope} AND key = ${lease.key} AND owner_token = ${lease.token} AND state = 'in_progress'
-      `
+      const result = await run(releaseText, [lease.scope, lease.key, lease.token])
       return result.count === 1
     },
 
-    // The record is kept at least until the lease ends: a handler running longer than the ttl must
-    // not have its in-progress record expire (and be reclaimed by a retry) while it still renews.
     async renew (lease, leaseMs) {
-      const result = await sql`
-        UPDATE ${table()}
-        SET lease_expires_at = ${later(leaseMs)}, expires_at = greatest(expires_at, ${later(leaseMs)})
-        WHERE scope = ${lease.scope} AND key = ${lease.key} AND owner_token = ${lease.token} AND state = 'in_progress'
-      `
+      const result = await run(renewText, [lease.scope, lease.key, lease.token, leaseMs])
       return result.count === 1
     },
 
     async get (id) {
-      const rows = await sql`
-        SELECT ${recordColumns()}
-        FROM ${table()}
-        WHERE scope = ${id.scope} AND key = ${id.key} AND expires_at > now()
-      `.values()
+      const rows = await run(getText, [id.scope, id.key]).values()
       const row = rows[0] as RecordColumns | undefined
       return row === undefined ? null : recordOf(row)
     },
 
-    // The portable bounded form (citus-notes 3: no ctid batches, no multi-shard SKIP LOCKED), with
-    // `expires_at <= now()` repeated on the outer DELETE. Without it, a record reclaimed by a
-    // concurrent claim after the subquery picked it would still be deleted: EvalPlanQual re-checks
-    // the DELETE's own conditions on the new row version, not the subquery's, so the live record
-    // of a new owner would vanish (and a retry would execute a second time).
     async purge (limit) {
-      const result = await sql`
-        DELETE FROM ${table()}
-        WHERE expires_at <= now()
-          AND (scope, key) IN (SELECT scope, key FROM ${table()} WHERE expires_at <= now() LIMIT ${limit})
-      `
+      const result = await run(purgeText, [limit])
       return result.count
     }
   }
+}
+
+/** What the statements bind: strings, numbers, the digest and body bytes, null (no body). */
+type Value = string | number | Buffer | null
+
+/**
+ * `name` quoted and escaped by postgres.js itself, rendered once: `sql(name)` is what a tagged
+ * template would interpolate, so the name is escaped exactly as before (a `"` doubled; options.ts
+ * rejects dots and NUL) and a client's column-name transform (postgres.camel, ...) applies to it
+ * as it does in migrate(), which creates the table through `sql(name)` too.
+ */
+function identifier (sql: PostgresClient | TransactionSql<any>, name: string): string {
+  const rendered = (sql(name) as unknown as RenderedIdentifier).value
+  if (typeof rendered !== 'string' || !rendered.startsWith('"')) {
+    throw new Error('fastify-idempotency: this version of postgres.js renders identifiers in a way the Postgres driver does not know')
+  }
+  return rendered
 }
 
 function recordOf (columns: RecordColumns): ExistingRecord {
