@@ -31,6 +31,8 @@ const SERVER = path.join(ROOT, 'benchmarks', 'server.ts')
 const { values: args } = parseArgs({ options: { quick: { type: 'boolean', default: false }, out: { type: 'string' } } })
 const QUICK = args.quick === true
 const OUT = args.out ?? path.join(ROOT, 'benchmarks', 'results', QUICK ? 'postgres.quick.json' : 'postgres.json')
+/** Read before anything runs: a busy machine skews every figure. */
+const loadAverageAtStart = os.loadavg()
 const CONFIG = {
   rounds: QUICK ? 1 : 3,
   connections: 10,
@@ -452,7 +454,7 @@ try {
       cores: cpus.length,
       memoryGiB: Math.round(os.totalmem() / 2 ** 30 * 10) / 10,
       platform: `${os.platform()} ${os.release()}`,
-      loadAverageAtStart: os.loadavg()
+      loadAverageAtStart
     },
     versions: {
       node: process.version,

@@ -21,7 +21,8 @@ if (REDIS_URL === undefined || CLUSTER === undefined) {
     const [host, port] = node.split(':')
     return { host: host ?? '127.0.0.1', port: Number(port) }
   })
-  suite('standalone', () => new Redis(REDIS_URL, { maxRetriesPerRequest: 1 }))
+  // A database of its own: test files run in parallel on one server, and this one flushes it.
+  suite('standalone', () => new Redis(REDIS_URL, { maxRetriesPerRequest: 1, db: 2 }))
   suite('cluster', () => new Cluster(nodes, { redisOptions: { maxRetriesPerRequest: 1 } }))
 }
 
@@ -121,12 +122,21 @@ function suite (name: string, connect: () => Redis | Cluster): void {
       t.comment(`storm (${name}): ${duplicateClaims} store claims for 490 duplicates`)
     })
 
-    t.test('FLUSHALL and evictions fall through to the store: the replay is still right, nothing runs twice', async (t) => {
-      const { app, store, runs } = await world(t)
+    t.test('a flushed Redis falls through to the store: the replay is still right, nothing runs twice', async (t) => {
+      const prefix = `t${randomBytes(4).toString('hex')}`
+      const { app, store, runs } = await world(t, { prefilter: redisPrefilter({ client, prefix, timeout: 200 }) })
       const first = await pay(app, 'k2')
       await settled()
-      if (client instanceof Redis) await client.flushall()
-      else await Promise.all(client.nodes('master').map((node) => node.flushall()))
+      if (client instanceof Redis) {
+        await client.flushdb()
+      } else {
+        // The cluster has only database 0, shared with the files running beside this one: lose
+        // everything of this test's instead.
+        await Promise.all(client.nodes('master').map(async (node) => {
+          const keys = await node.keys(`${prefix}:*`)
+          if (keys.length > 0) await node.del(...keys)
+        }))
+      }
       const claims = store.calls.claim
       const replay = await pay(app, 'k2')
       t.equal(store.calls.claim, claims + 1, 'the store answered')
@@ -270,4 +280,42 @@ t.test('Redis stopped in the middle of a storm and restarted: one execution per 
   const stats = prefilter.stats
   t.ok(stats.failures > 0, `the outage was counted (${stats.failures} operations fell through to the store)`)
   t.ok(stats.hits > 0, `after the restart Redis answered again (${stats.hits} hits)`)
+})
+
+t.test('with the Postgres store, a record the store replays is copied back into Redis, never outliving it', async (t) => {
+  const url = process.env.DATABASE_URL
+  if (url === undefined || REDIS_URL === undefined) return t.fail('DATABASE_URL and REDIS_URL must be set')
+  const { default: postgres } = await import('postgres')
+  const { postgresStore } = await import('../drivers/postgres/index.js')
+  const schema = `idem_pf_${randomBytes(4).toString('hex')}`
+  const sql = postgres(url, { max: 4, onnotice: () => {} })
+  const redis = new Redis(REDIS_URL, { db: 3 })
+  t.teardown(async () => {
+    await sql`DROP SCHEMA IF EXISTS ${sql(schema)} CASCADE`
+    await sql.end({ timeout: 2 })
+    redis.disconnect()
+  })
+  const inner = postgresStore({ sql, schema, purgeInterval: 0 })
+  await inner.migrate()
+  let claims = 0
+  const store: IdempotencyStore = { ...inner, claim: async (request) => { claims++; return inner.claim(request) } }
+  const prefix = `t${randomBytes(4).toString('hex')}`
+  const app = Fastify()
+  t.teardown(() => app.close())
+  await app.register(idempotency, { store, prefilter: redisPrefilter({ client: redis, prefix }), scope: () => 'tenant', ttl: 60_000 })
+  app.post('/pay', async () => ({ charge: randomBytes(6).toString('hex') }))
+  const first = await app.inject({ method: 'POST', url: '/pay', headers: keyed('pg-1'), payload: {} })
+  await sleep(30)
+  await redis.flushdb()
+  const fromStore = await app.inject({ method: 'POST', url: '/pay', headers: keyed('pg-1'), payload: {} })
+  t.equal(fromStore.body, first.body)
+  t.equal(claims, 2)
+  await sleep(30)
+  const keys = await redis.keys(`${prefix}:*`)
+  t.equal(keys.length, 1, 'the record was copied back')
+  const ttl = await redis.pttl(keys[0] ?? '')
+  t.ok(ttl > 0 && ttl <= 60_000 - 1000, `its Redis TTL (${ttl} ms) ends before the store's record expires`)
+  const fromRedis = await app.inject({ method: 'POST', url: '/pay', headers: keyed('pg-1'), payload: {} })
+  t.equal(fromRedis.body, first.body)
+  t.equal(claims, 2, 'answered from Redis')
 })

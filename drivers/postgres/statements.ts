@@ -32,6 +32,8 @@ export interface ExistingRecord {
   /** lease_expires_at <= now(): an in-progress owner stopped renewing. */
   readonly lapsed: boolean
   readonly leaseRemainingMs: number
+  /** Milliseconds until expires_at (0 once expired), so a pre-filter's copy never outlives the record. */
+  readonly expiresInMs: number
   readonly response: StoredResponse | null
 }
 
@@ -61,7 +63,8 @@ type Headers = StoredResponse['headers']
 /** Columns of the claim and get statements, in SELECT order. */
 type RecordColumns = [
   state: 'in_progress' | 'completed', algorithm: string, digest: Buffer, token: string, expired: boolean,
-  lapsed: boolean | null, remaining: number, status: number | null, headers: Headers | null, body: Buffer | null
+  lapsed: boolean | null, remaining: number, status: number | null, headers: Headers | null, body: Buffer | null,
+  expiresIn: number
 ]
 type ClaimColumns = [acquired: boolean, ...RecordColumns]
 
@@ -90,7 +93,8 @@ export function createStatements (sql: PostgresClient | TransactionSql<any>, nam
   const recordColumns = `
     state, fingerprint_algorithm, fingerprint, owner_token::text, expires_at <= now(), lease_expires_at <= now(),
     greatest(0, ceil(extract(epoch FROM lease_expires_at - now()) * 1000))::float8,
-    response_status, response_headers, CASE WHEN expires_at > now() THEN response_body END`
+    response_status, response_headers, CASE WHEN expires_at > now() THEN response_body END,
+    greatest(0, floor(extract(epoch FROM expires_at - now()) * 1000))::float8`
 
   // claim, reclaim and takeover bind the same values (claimValues), in this order:
   // $1 scope, $2 key, $3 digest, $4 algorithm, $5 new token, $6 lease ms, $7 ttl ms, $8 seen token.
@@ -109,7 +113,7 @@ export function createStatements (sql: PostgresClient | TransactionSql<any>, nam
       ON CONFLICT (scope, key) DO NOTHING
       RETURNING true AS acquired
     )
-    SELECT acquired, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL FROM claimed
+    SELECT acquired, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL FROM claimed
     UNION ALL
     SELECT false, ${recordColumns}
     FROM ${table}
@@ -256,7 +260,7 @@ function identifier (sql: PostgresClient | TransactionSql<any>, name: string): s
 }
 
 function recordOf (columns: RecordColumns): ExistingRecord {
-  const [state, algorithm, digest, token, expired, lapsed, remaining, status, headers, body] = columns
+  const [state, algorithm, digest, token, expired, lapsed, remaining, status, headers, body, expiresIn] = columns
   return {
     state,
     fingerprint: { algorithm, digest },
@@ -264,6 +268,7 @@ function recordOf (columns: RecordColumns): ExistingRecord {
     expired,
     lapsed: lapsed === true,
     leaseRemainingMs: remaining,
+    expiresInMs: expiresIn,
     response: state === 'completed' && status !== null ? { statusCode: status, headers: headers ?? {}, body } : null
   }
 }

@@ -116,7 +116,7 @@ export function postgresStore (options: PostgresStoreOptions): PostgresStore {
 
   function answer (record: ExistingRecord): ClaimResult {
     return record.state === 'completed' && record.response !== null
-      ? { outcome: 'completed', fingerprint: record.fingerprint, response: record.response }
+      ? { outcome: 'completed', fingerprint: record.fingerprint, response: record.response, expiresInMs: record.expiresInMs }
       : { outcome: 'in_progress', fingerprint: record.fingerprint, leaseRemainingMs: record.leaseRemainingMs }
   }
 

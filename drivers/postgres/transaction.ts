@@ -146,7 +146,7 @@ async function claimWithin (
       continue
     }
     return record.state === 'completed' && record.response !== null
-      ? { outcome: 'completed', fingerprint: record.fingerprint, response: record.response }
+      ? { outcome: 'completed', fingerprint: record.fingerprint, response: record.response, expiresInMs: record.expiresInMs }
       : { outcome: 'in_progress', fingerprint: record.fingerprint, leaseRemainingMs: record.leaseRemainingMs }
   }
   throw new Error(`fastify-idempotency: the postgres store could not settle a claim in ${MAX_CLAIM_ROUNDS} rounds`)

@@ -60,6 +60,9 @@ export function runConformance (t: Test, makeStore: () => Promise<IdempotencySto
     t.same(again.response.headers, response.headers)
     t.ok(again.response.body?.equals(response.body as Buffer))
     t.ok(again.fingerprint.digest.equals(A.digest))
+    if (again.expiresInMs !== undefined) {
+      t.ok(again.expiresInMs > 0 && again.expiresInMs <= LONG, `expiresInMs (${again.expiresInMs}) never exceeds the remaining retention`)
+    }
     const record = await store.get({ scope: 's', key })
     t.equal(record?.state, 'completed')
     if (record?.state === 'completed') t.ok(record.response.body?.equals(response.body as Buffer))
