@@ -1,5 +1,6 @@
 import { randomUUID } from 'node:crypto'
 import { fingerprintsEqual } from '../lib/fingerprint.js'
+import { HeaderSets, Slabs } from './memory-packing.js'
 import type {
   ClaimRequest, ClaimResult, Fingerprint, IdempotencyStore, Lease, RecordId, StoredRecord, StoredResponse
 } from '../lib/store.js'
@@ -7,7 +8,7 @@ import type {
 export interface MemoryStoreOptions {
   /** Most records held at once; when full (after dropping expired ones) new claims are refused. @defaultValue 1_000_000 */
   maxEntries?: number
-  /** Approximate bytes of keys, headers and bodies held at once; same refusal when exceeded. @defaultValue 268_435_456 (256 MiB) */
+  /** Approximate bytes of keys, headers and bodies held at once; same refusal when exceeded. @defaultValue 805_306_368 (768 MiB: room for the default maxEntries of small records) */
   maxBytes?: number
   /** How often expired records are swept, in ms; 0 disables the timer (reads still honour expiry). @defaultValue 60_000 */
   purgeInterval?: number
@@ -27,11 +28,19 @@ export class MemoryStoreFullError extends Error {
 
 interface Entry {
   state: 'in_progress' | 'completed'
-  readonly fingerprint: Fingerprint
+  /** In progress: the request's fingerprint. Completed: null, its digest is packed with the body. */
+  fingerprint: Fingerprint | null
+  readonly algorithm: string
   token: string
   leaseUntil: number
   expiresAt: number
-  response: StoredResponse | null
+  /** Completed: the digest bytes followed by the body bytes (see memory-packing.ts). */
+  packed: Buffer | null
+  digestLength: number
+  /** Completed: false when the body was not retained (over maxResponseBytes). */
+  retained: boolean
+  statusCode: number
+  headers: Readonly<Record<string, string | string[]>> | null
   bytes: number
 }
 
@@ -46,7 +55,7 @@ const SWEEP_SLICE = 10_000
  */
 export function memoryStore (options: MemoryStoreOptions = {}): IdempotencyStore {
   const maxEntries = positive('maxEntries', options.maxEntries, 1_000_000)
-  const maxBytes = positive('maxBytes', options.maxBytes, 256 * 1024 * 1024)
+  const maxBytes = positive('maxBytes', options.maxBytes, 768 * 1024 * 1024)
   const purgeInterval = options.purgeInterval ?? 60_000
   if (!Number.isInteger(purgeInterval) || purgeInterval < 0) {
     throw new TypeError(`memoryStore: purgeInterval must be a non-negative integer number of ms; received ${String(purgeInterval)}`)
@@ -55,6 +64,8 @@ export function memoryStore (options: MemoryStoreOptions = {}): IdempotencyStore
   if (typeof now !== 'function') throw new TypeError(`memoryStore: now must be a function; received ${typeof now}`)
 
   const entries = new Map<string, Entry>()
+  const slabs = new Slabs()
+  const headerSets = new HeaderSets()
   let bytes = 0
   let lastFullPurge = -Infinity
   let sweeping = false
@@ -132,8 +143,8 @@ export function memoryStore (options: MemoryStoreOptions = {}): IdempotencyStore
 
   function recordOf (entry: Entry, at: number): StoredRecord {
     return entry.state === 'completed'
-      ? { state: 'completed', fingerprint: entry.fingerprint, response: entry.response as StoredResponse }
-      : { state: 'in_progress', fingerprint: entry.fingerprint, leaseRemainingMs: Math.max(0, entry.leaseUntil - at) }
+      ? { state: 'completed', fingerprint: fingerprintOf(entry), response: responseOf(entry) }
+      : { state: 'in_progress', fingerprint: fingerprintOf(entry), leaseRemainingMs: Math.max(0, entry.leaseUntil - at) }
   }
 
   return {
@@ -147,35 +158,46 @@ export function memoryStore (options: MemoryStoreOptions = {}): IdempotencyStore
         const created: Entry = {
           state: 'in_progress',
           fingerprint: request.fingerprint,
+          algorithm: request.fingerprint.algorithm,
           token,
           leaseUntil: at + request.leaseMs,
           expiresAt: at + request.ttlMs,
-          response: null,
+          packed: null,
+          digestLength: 0,
+          retained: false,
+          statusCode: 0,
+          headers: null,
           bytes: ENTRY_OVERHEAD + id.length * 2
         }
         entries.set(id, created)
         bytes += created.bytes
         return { outcome: 'acquired', lease: { scope: request.scope, key: request.key, token }, takeover: false }
       }
-      if (entry.state === 'in_progress' && entry.leaseUntil <= at && fingerprintsEqual(entry.fingerprint, request.fingerprint)) {
+      if (entry.state === 'in_progress' && entry.leaseUntil <= at && fingerprintsEqual(fingerprintOf(entry), request.fingerprint)) {
         entry.token = randomUUID()
         entry.leaseUntil = at + request.leaseMs
         return { outcome: 'acquired', lease: { scope: request.scope, key: request.key, token: entry.token }, takeover: true }
       }
       if (entry.state === 'completed') {
-        return { outcome: 'completed', fingerprint: entry.fingerprint, response: entry.response as StoredResponse, expiresInMs: entry.expiresAt - at }
+        return { outcome: 'completed', fingerprint: fingerprintOf(entry), response: responseOf(entry), expiresInMs: entry.expiresAt - at }
       }
-      return { outcome: 'in_progress', fingerprint: entry.fingerprint, leaseRemainingMs: Math.max(0, entry.leaseUntil - at) }
+      return { outcome: 'in_progress', fingerprint: fingerprintOf(entry), leaseRemainingMs: Math.max(0, entry.leaseUntil - at) }
     },
 
     async complete (lease: Lease, response: StoredResponse, ttlMs: number): Promise<boolean> {
       const at = now()
       const entry = owned(lease, at)
       if (entry === undefined) return false
-      const body = response.body === null ? null : compact(response.body)
-      const size = (body?.length ?? 0) + headerBytes(response.headers)
+      const digest = (entry.fingerprint as Fingerprint).digest
+      entry.packed = slabs.pack(digest, response.body)
+      entry.digestLength = digest.length
+      entry.retained = response.body !== null
+      entry.statusCode = response.statusCode
+      entry.headers = headerSets.intern(response.headers)
+      entry.fingerprint = null
+      entry.token = ''
+      const size = entry.packed.length + headerBytes(response.headers)
       entry.state = 'completed'
-      entry.response = Object.freeze({ statusCode: response.statusCode, headers: Object.freeze({ ...response.headers }), body })
       entry.expiresAt = at + ttlMs
       entry.bytes += size
       bytes += size
@@ -211,6 +233,7 @@ export function memoryStore (options: MemoryStoreOptions = {}): IdempotencyStore
       closed = true
       if (timer !== null) clearInterval(timer)
       entries.clear()
+      headerSets.clear()
       bytes = 0
     }
   }
@@ -222,15 +245,16 @@ function positive (name: string, value: number | undefined, fallback: number): n
   return value
 }
 
-/**
- * Small Buffers often sit in Node's shared 8 KiB pool (Buffer.from of a short string); keeping such
- * a slice would pin the whole slab for the record's lifetime, so the bytes move to their own memory.
- */
-function compact (body: Buffer): Buffer {
-  if (body.byteOffset === 0 && body.buffer.byteLength === body.length) return body
-  const copy = Buffer.allocUnsafeSlow(body.length)
-  body.copy(copy)
-  return copy
+function fingerprintOf (entry: Entry): Fingerprint {
+  return entry.fingerprint ?? { algorithm: entry.algorithm, digest: (entry.packed as Buffer).subarray(0, entry.digestLength) }
+}
+
+function responseOf (entry: Entry): StoredResponse {
+  return {
+    statusCode: entry.statusCode,
+    headers: entry.headers ?? {},
+    body: entry.retained ? (entry.packed as Buffer).subarray(entry.digestLength) : null
+  }
 }
 
 function headerBytes (headers: Readonly<Record<string, string | string[]>>): number {

@@ -1,0 +1,61 @@
+/**
+ * Compact storage of completed records for the memory store. A million records is the target
+ * scale, and per-record overhead dominates small bodies: every Buffer with its own memory costs a
+ * few hundred bytes of bookkeeping on top of its bytes, and every copied headers object another
+ * hundred. So a completed record keeps its fingerprint digest and body as one view into a shared
+ * slab, and identical header sets share one frozen object.
+ */
+
+/** Records larger than this get memory of their own, so a large body never pins a slab. */
+const SLAB_RECORD_LIMIT = 8 * 1024
+const SLAB_SIZE = 256 * 1024
+const INTERNED_HEADER_SETS = 1024
+
+export class Slabs {
+  #slab = Buffer.allocUnsafeSlow(SLAB_SIZE)
+  #offset = 0
+
+  /**
+   * Copies `parts` into fresh memory and returns it as one Buffer. Small records share slabs:
+   * records written together expire together (one ttl), so a slab is freed by the GC soon after
+   * its last record goes, and copying never aliases the caller's (possibly pooled) buffers.
+   */
+  pack (first: Buffer, second: Buffer | null): Buffer {
+    const length = first.length + (second?.length ?? 0)
+    let target: Buffer
+    if (length > SLAB_RECORD_LIMIT) {
+      target = Buffer.allocUnsafeSlow(length)
+    } else {
+      if (this.#offset + length > SLAB_SIZE) {
+        this.#slab = Buffer.allocUnsafeSlow(SLAB_SIZE)
+        this.#offset = 0
+      }
+      target = this.#slab.subarray(this.#offset, this.#offset + length)
+      // 8-byte alignment keeps views cheap to create and compare.
+      this.#offset += (length + 7) & ~7
+    }
+    first.copy(target, 0)
+    second?.copy(target, first.length)
+    return target
+  }
+}
+
+type Headers = Readonly<Record<string, string | string[]>>
+
+/** Frozen header sets shared between records; bounded, so hostile variety cannot grow it. */
+export class HeaderSets {
+  readonly #sets = new Map<string, Headers>()
+
+  intern (headers: Headers): Headers {
+    const signature = JSON.stringify(headers)
+    const known = this.#sets.get(signature)
+    if (known !== undefined) return known
+    const frozen = Object.freeze({ ...headers })
+    if (this.#sets.size < INTERNED_HEADER_SETS) this.#sets.set(signature, frozen)
+    return frozen
+  }
+
+  clear (): void {
+    this.#sets.clear()
+  }
+}
