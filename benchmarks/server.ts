@@ -6,15 +6,21 @@
  * Environment: SETUP (one of SETUPS below); for the Postgres setups DATABASE_URL, BENCH_SCHEMA (the
  * schema run.ts migrated: tables `records`, `floor_records`, `payments`) and BENCH_POOL_MAX (10).
  *
- * Every setup answers POST /pay with the same ~200-byte JSON payment (201). GET /stats (never
- * protected) returns how many times the operation executed, so run.ts can check that fresh keys
- * each executed once and that replays executed nothing, and how many calls reached the store
- * (the round trips a pre-filter saves). pg-redis also needs REDIS_URL.
+ * Every setup answers POST /pay with the same JSON payment (201): ~200 bytes, or ~64 KiB with
+ * BENCH_PAYLOAD=65536 (the same payment plus a `padding` field). GET /stats (never protected)
+ * returns how many times the operation executed, so run.ts can check that fresh keys each executed
+ * once and that replays executed nothing, how many calls reached the store (the round trips a
+ * pre-filter saves), and the server-side latency of POST /pay in microseconds (p50/p99/p99.9,
+ * onRequest to onResponse, since the last POST /stats/reset). pg-redis and peer-redis also need
+ * REDIS_URL. peer-memory and peer-redis are @node-idempotency/core (benchmarks/peer-glue.ts).
  */
 import { createHash, randomUUID } from 'node:crypto'
 import Fastify, { type FastifyReply, type FastifyRequest } from 'fastify'
 import { Redis } from 'ioredis'
 import postgres from 'postgres'
+import { MemoryStorageAdapter } from '@node-idempotency/storage-adapter-memory'
+import { RedisStorageAdapter } from '@node-idempotency/storage-adapter-redis'
+import { peerIdempotency } from './peer-glue.js'
 import idempotency, { type IdempotencyStore } from '../lib/index.js'
 import { postgresStore } from '../drivers/postgres/index.js'
 import { redisPrefilter } from '../drivers/redis/index.js'
@@ -30,7 +36,56 @@ const RECORDED_HEADERS = { 'content-type': 'application/json; charset=utf-8' }
 let executions = 0
 let storeCalls = 0
 const app = Fastify()
-app.get('/stats', async () => ({ executions, storeCalls }))
+
+/**
+ * Server-side latency of POST /pay, in whole microseconds, in a log-linear histogram: exact below
+ * 1024 µs, then 128 sub-buckets per power of two (under 1% error), up to 2^31 µs. Fixed size, so
+ * recording allocates nothing and the server's RSS does not depend on the request count.
+ */
+const LINEAR = 1024
+const SUB_BITS = 7
+const histogram = new Float64Array(LINEAR + (31 - 10) * (1 << SUB_BITS))
+let samples = 0
+function bucketOf (us: number): number {
+  if (us < LINEAR) return us
+  const exponent = Math.min(30, 31 - Math.clz32(us)) // floor(log2(us)), ≥ 10
+  return LINEAR + (exponent - 10) * (1 << SUB_BITS) + ((us >>> (exponent - SUB_BITS)) & ((1 << SUB_BITS) - 1))
+}
+/** The bucket's lower bound, in µs. */
+function valueOf (bucket: number): number {
+  if (bucket < LINEAR) return bucket
+  const exponent = 10 + Math.floor((bucket - LINEAR) / (1 << SUB_BITS))
+  const sub = (bucket - LINEAR) % (1 << SUB_BITS)
+  return ((1 << SUB_BITS) + sub) * 2 ** (exponent - SUB_BITS)
+}
+function percentile (q: number): number | null {
+  if (samples === 0) return null
+  const rank = Math.ceil(q * samples)
+  let seen = 0
+  for (let i = 0; i < histogram.length; i++) {
+    seen += histogram[i]!
+    if (seen >= rank) return valueOf(i)
+  }
+  return null
+}
+// Added first, before any plugin, so that they bracket the whole lifecycle (the plugins' hooks too).
+const startedAt = Symbol('startedAt')
+type Timed = FastifyRequest & { [startedAt]?: bigint }
+app.addHook('onRequest', (request, _reply, done) => { (request as Timed)[startedAt] = process.hrtime.bigint(); done() })
+app.addHook('onResponse', (request, _reply, done) => {
+  const start = (request as Timed)[startedAt]
+  if (start !== undefined && request.url === '/pay') {
+    histogram[bucketOf(Math.min(2 ** 31 - 1, Number((process.hrtime.bigint() - start) / 1000n)))]!++
+    samples++
+  }
+  done()
+})
+app.get('/stats', async () => ({
+  executions,
+  storeCalls,
+  latencyUs: { samples, p50: percentile(0.5), p99: percentile(0.99), p99_9: percentile(0.999) }
+}))
+app.post('/stats/reset', async () => { histogram.fill(0); samples = 0; return { ok: true } })
 
 /** The store, with every call that reaches it counted (each is one round trip for Postgres). */
 function counted (store: IdempotencyStore): IdempotencyStore {
@@ -43,6 +98,15 @@ function counted (store: IdempotencyStore): IdempotencyStore {
     renew: count(store.renew),
     get: count(store.get)
   }
+}
+
+/** The peer's storage, with every call that reaches it counted (one round trip each for Redis). */
+function countedStorage<S extends { setIfNotExists: (...args: never[]) => Promise<boolean>, set: (...args: never[]) => Promise<void>, get: (...args: never[]) => Promise<string | undefined> }> (storage: S): S {
+  for (const name of ['setIfNotExists', 'set', 'get'] as const) {
+    const call = (storage[name] as (...args: unknown[]) => Promise<unknown>).bind(storage)
+    Object.assign(storage, { [name]: (...args: unknown[]) => { storeCalls++; return call(...args) } })
+  }
+  return storage
 }
 
 /** Run at SIGTERM after app.close(), in order. */
@@ -62,7 +126,7 @@ function database (): postgres.Sql {
 }
 
 /** ~200 bytes of JSON, the same shape in every setup; `id` is padded so its length does not vary. */
-function payment (id: number | string, body: PayBody): object {
+function basePayment (id: number | string, body: PayBody): Record<string, unknown> {
   const n = String(id).padStart(12, '0')
   return {
     id: `pay_${n}`,
@@ -75,6 +139,22 @@ function payment (id: number | string, body: PayBody): object {
     created: Math.floor(Date.now() / 1000),
     receipt: `rcpt_${n}`
   }
+}
+
+/** BENCH_PAYLOAD: the response's JSON size in bytes, 200 (the bare payment) or more (padded). */
+const PAYLOAD_BYTES = Number(process.env.BENCH_PAYLOAD ?? '200')
+if (!Number.isInteger(PAYLOAD_BYTES) || PAYLOAD_BYTES < 0) throw new Error(`benchmarks/server.ts: BENCH_PAYLOAD=${process.env.BENCH_PAYLOAD}`)
+/** Built once: the padding that brings the payment's JSON to PAYLOAD_BYTES (none at 200). */
+const PADDING = ((): string | null => {
+  const sample = { ...basePayment(0, { amount: 1000, currency: 'EUR' }), padding: '' }
+  const missing = PAYLOAD_BYTES - JSON.stringify(sample).length
+  return PAYLOAD_BYTES <= 200 || missing <= 0 ? null : 'x'.repeat(missing)
+})()
+
+function payment (id: number | string, body: PayBody): object {
+  const base = basePayment(id, body)
+  if (PADDING !== null) base.padding = PADDING
+  return base
 }
 
 /** The handler of every setup but pg-atomic and floor-sql: the operation itself costs nothing. */
@@ -108,6 +188,21 @@ const SETUPS: Record<string, () => Promise<void>> = {
     closers.unshift(() => store.close())
     closers.push(async () => { redis.disconnect() })
     await app.register(idempotency, { store: counted(store), prefilter: redisPrefilter({ client: redis, prefix: `bench-${randomUUID()}` }), scope: () => SCOPE })
+    app.post('/pay', pay)
+  },
+
+  // The peer, @node-idempotency/core 1.0.11, through our glue: its memory adapter.
+  async 'peer-memory' () {
+    peerIdempotency(app, countedStorage(new MemoryStorageAdapter()))
+    app.post('/pay', pay)
+  },
+
+  // The peer with its Redis adapter (node-redis 4): the closest peer to pg-redis.
+  async 'peer-redis' () {
+    const storage = new RedisStorageAdapter({ url: env('REDIS_URL') })
+    await storage.connect()
+    closers.push(() => storage.disconnect())
+    peerIdempotency(app, countedStorage(storage))
     app.post('/pay', pay)
   },
 
