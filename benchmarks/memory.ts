@@ -22,7 +22,7 @@ import autocannon from 'autocannon'
 import { memoryStore } from '../lib/index.js'
 
 const ROOT = fileURLToPath(new URL('..', import.meta.url))
-const { values: args } = parseArgs({ options: { quick: { type: 'boolean', default: false }, child: { type: 'string' } } })
+const { values: args } = parseArgs({ options: { quick: { type: 'boolean', default: false }, child: { type: 'string' }, out: { type: 'string' } } })
 const QUICK = args.quick === true
 const RECORDS = QUICK ? 200_000 : 1_000_000
 const SECONDS = QUICK ? 10 : 60
@@ -38,7 +38,7 @@ async function main (): Promise<void> {
   const replays = await steady('replay')
   const fresh = await steady('fresh-short-ttl')
   for (const run of [replays, fresh]) {
-    console.log(`${run.mode}: RSS by second (MiB) ${run.rssMiB.join(' ')}; growth over the second half ${run.growthPercent}%`)
+    console.log(`${run.mode}: RSS by second (MiB) ${run.rssMiB.join(' ')}; growth from the middle to the last third ${run.growthPercent}%`)
   }
   const result = {
     date: new Date().toISOString(),
@@ -47,7 +47,7 @@ async function main (): Promise<void> {
     capacity: { records: RECORDS, ...capacity, targetMiB: 800, met: RECORDS === 1_000_000 ? capacity.rssMiB < 800 : null },
     steady: [replays, fresh]
   }
-  const out = path.join(ROOT, 'benchmarks', 'results', QUICK ? 'memory.quick.json' : 'memory.json')
+  const out = args.out ?? path.join(ROOT, 'benchmarks', 'results', QUICK ? 'memory.quick.json' : 'memory.json')
   writeFileSync(out, JSON.stringify(result, null, 2) + '\n')
   console.log(`[bench] wrote ${path.relative(ROOT, out)}`)
 }
@@ -112,10 +112,19 @@ async function steady (mode: 'replay' | 'fresh-short-ttl'): Promise<{ mode: stri
   })
   clearInterval(sampler)
   child.kill('SIGTERM')
-  const half = samples.slice(Math.floor(samples.length / 2))
-  const first = half[0] ?? NaN
-  const last = half[half.length - 1] ?? NaN
-  return { mode, rssMiB: samples, growthPercent: Math.round((last - first) / first * 1000) / 10 }
+  return { mode, rssMiB: samples, growthPercent: growth(samples) }
+}
+
+/**
+ * Growth between the middle and the last third of a run, by their means: the RSS of a collected
+ * heap is a sawtooth, so comparing two single samples would measure where the GC happened to be.
+ */
+export function growth (samples: number[]): number {
+  const third = Math.floor(samples.length / 3)
+  const mean = (values: number[]): number => values.reduce((sum, v) => sum + v, 0) / values.length
+  const middle = mean(samples.slice(third, 2 * third))
+  const last = mean(samples.slice(2 * third))
+  return Math.round((last - middle) / middle * 1000) / 10
 }
 
 /** The server of a steady-state run: the plugin on the memory store; short ttl for fresh keys. */
