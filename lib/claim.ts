@@ -7,7 +7,7 @@ import {
 import { renewWhileRunning } from './lease.js'
 import { consultPrefilter, markInFlight, rememberCompleted } from './prefiltering.js'
 import { abandon } from './settle.js'
-import type { ClaimRequest, ClaimResult, Fingerprint, StoredResponse } from './store.js'
+import type { ClaimAcquired, ClaimCompleted, ClaimInProgress, ClaimRequest, ClaimResult, Fingerprint, StoredResponse } from './store.js'
 import { withTimeout } from './timeout.js'
 import { localId } from './waiters.js'
 
@@ -36,66 +36,45 @@ export async function claimKey (engine: Engine, request: FastifyRequest, reply: 
   const deadline = settings.wait > 0 ? Date.now() + settings.wait : 0
   let poll = FIRST_POLL_MS
   for (;;) {
+    // What another attempt holds for the key: from the pre-filter when it knows, else from the
+    // store, which alone may hand the key to this request.
+    let held: ClaimInProgress | ClaimCompleted
     const hit = engine.prefilter === null ? null : await consultPrefilter(engine, state)
     if (hit !== null) {
-      if (!fingerprintsEqual(hit.fingerprint, fingerprint)) {
-        state.log.info(decision(state, 'mismatch'), 'idempotency: key reused with a different request (pre-filter)')
-        return answer(engine, state, reply, { kind: 'key-reused' })
+      held = hit.state === 'completed'
+        ? { outcome: 'completed', fingerprint: hit.fingerprint, response: hit.response }
+        : { outcome: 'in_progress', fingerprint: hit.fingerprint, leaseRemainingMs: 0 }
+    } else {
+      const asked = Date.now()
+      let result: ClaimResult
+      try {
+        if (settings.transaction) {
+          const waitMs = Math.max(0, deadline - Date.now())
+          result = await withTimeout('claim', settings.storeTimeout + waitMs, () => claimInTransaction(engine, claim, waitMs), releaseLate(engine, state))
+        } else {
+          result = await withTimeout('claim', settings.storeTimeout, () => engine.store.claim(claim), releaseLate(engine, state))
+        }
+      } catch (err) {
+        return storeFailed(engine, request, reply, state, err)
       }
-      if (hit.state === 'completed') return replay(engine, reply, state, hit.response)
-      const remaining = deadline - Date.now()
-      if (remaining <= 0) {
-        state.log.info(decision(state, 'conflict'), 'idempotency: original request still in progress (pre-filter)')
-        return answer(engine, state, reply, { kind: 'request-in-progress', retryAfter: settings.retryAfter })
+      if (result.outcome === 'acquired') {
+        becomeOwner(engine, reply, state, result)
+        return undefined
       }
-      await engine.waiters.wait(localId(scope, state.key), Math.min(poll, remaining))
-      poll = Math.min(poll * 2, MAX_POLL_MS)
-      continue
+      // The storm's next duplicates can then be answered without the store.
+      if (result.outcome === 'completed' && result.expiresInMs !== undefined) {
+        rememberCompleted(engine, state, result.fingerprint, result.response, result.expiresInMs, asked)
+      }
+      held = result
     }
 
-    const asked = Date.now()
-    let result
-    try {
-      if (settings.transaction) {
-        const waitMs = Math.max(0, deadline - Date.now())
-        result = await withTimeout('claim', settings.storeTimeout + waitMs, () => claimInTransaction(engine, claim, waitMs), releaseLate(engine, state))
-      } else {
-        result = await withTimeout('claim', settings.storeTimeout, () => engine.store.claim(claim), releaseLate(engine, state))
-      }
-    } catch (err) {
-      return storeFailed(engine, request, reply, state, err)
-    }
-
-    if (result.outcome === 'acquired') {
-      state.lease = result.lease
-      state.phase = 'owner'
-      if (result.takeover) state.log.warn(decision(state, 'taken_over'), 'idempotency: took over an abandoned in-progress key')
-      else state.log.debug(decision(state, 'executed'), 'idempotency: key claimed')
-      markInFlight(engine, state, fingerprint)
-      if (result.transaction !== undefined) {
-        // Atomic mode: the open transaction holds the record, and a crash rolls it back; no lease to renew.
-        state.transactional = true
-        state.context.sql = result.transaction
-      } else {
-        renewWhileRunning(engine, state)
-      }
-      // A client that leaves while the handler runs: Node emits the request's 'close' as soon as
-      // its body is read, so onRequestAbort misses it; the response closing before its end does not.
-      const res = reply.raw
-      res.once('close', () => { if (!res.writableFinished && state.phase === 'owner') abandon(engine, state) })
-      return undefined
-    }
     // Draft §2.7: a key reused with a different request is a client error whatever the state of the
     // original, so 422 is checked before 409 (the client must correct the request either way).
-    if (!fingerprintsEqual(result.fingerprint, fingerprint)) {
+    if (!fingerprintsEqual(held.fingerprint, fingerprint)) {
       state.log.info(decision(state, 'mismatch'), 'idempotency: key reused with a different request')
       return answer(engine, state, reply, { kind: 'key-reused' })
     }
-    if (result.outcome === 'completed') {
-      // The storm's next duplicates can then be answered without the store.
-      if (result.expiresInMs !== undefined) rememberCompleted(engine, state, result.fingerprint, result.response, result.expiresInMs, asked)
-      return replay(engine, reply, state, result.response)
-    }
+    if (held.outcome === 'completed') return replay(engine, reply, state, held.response)
 
     const remaining = deadline - Date.now()
     if (remaining <= 0) {
@@ -105,6 +84,27 @@ export async function claimKey (engine: Engine, request: FastifyRequest, reply: 
     await engine.waiters.wait(localId(scope, state.key), Math.min(poll, remaining))
     poll = Math.min(poll * 2, MAX_POLL_MS)
   }
+}
+
+/** The store handed the key to this request: it executes, holding the key until it settles. */
+function becomeOwner (engine: Engine, reply: FastifyReply, state: RequestState, result: ClaimAcquired): void {
+  state.lease = result.lease
+  state.phase = 'owner'
+  if (result.takeover) state.log.warn(decision(state, 'taken_over'), 'idempotency: took over an abandoned in-progress key')
+  else state.log.debug(decision(state, 'executed'), 'idempotency: key claimed')
+  const context = state.context as NonNullable<RequestState['context']>
+  markInFlight(engine, state, context.fingerprint)
+  if (result.transaction !== undefined) {
+    // Atomic mode: the open transaction holds the record, and a crash rolls it back; no lease to renew.
+    state.transactional = true
+    context.sql = result.transaction
+  } else {
+    renewWhileRunning(engine, state)
+  }
+  // A client that leaves while the handler runs: Node emits the request's 'close' as soon as its
+  // body is read, so onRequestAbort misses it; the response closing before its end does not.
+  const res = reply.raw
+  res.once('close', () => { if (!res.writableFinished && state.phase === 'owner') abandon(engine, state) })
 }
 
 /** A claim that lands after its timeout was answered 503 (or bypassed): give the key back at once. */
