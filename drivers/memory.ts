@@ -1,6 +1,8 @@
 import { randomUUID } from 'node:crypto'
 import { fingerprintsEqual } from '../lib/fingerprint.js'
 import { HeaderSets, Slabs } from './memory-packing.js'
+import { InvalidOptionError } from '../lib/errors.js'
+import { integerOption, MAX_TIMER_MS } from '../lib/validate.js'
 import type {
   ClaimRequest, ClaimResult, Fingerprint, IdempotencyStore, Lease, RecordId, StoredRecord, StoredResponse
 } from '../lib/store.js'
@@ -54,14 +56,11 @@ const SWEEP_SLICE = 10_000
  * between processes (use the Postgres driver for several instances).
  */
 export function memoryStore (options: MemoryStoreOptions = {}): IdempotencyStore {
-  const maxEntries = positive('maxEntries', options.maxEntries, 1_000_000)
-  const maxBytes = positive('maxBytes', options.maxBytes, 768 * 1024 * 1024)
-  const purgeInterval = options.purgeInterval ?? 60_000
-  if (!Number.isInteger(purgeInterval) || purgeInterval < 0) {
-    throw new TypeError(`memoryStore: purgeInterval must be a non-negative integer number of ms; received ${String(purgeInterval)}`)
-  }
+  const maxEntries = integerOption('memoryStore option "maxEntries"', options.maxEntries, 1_000_000, 1, Number.MAX_SAFE_INTEGER)
+  const maxBytes = integerOption('memoryStore option "maxBytes"', options.maxBytes, 768 * 1024 * 1024, 1, Number.MAX_SAFE_INTEGER, 'bytes')
+  const purgeInterval = integerOption('memoryStore option "purgeInterval"', options.purgeInterval, 60_000, 0, MAX_TIMER_MS, 'ms')
   const now = options.now ?? Date.now
-  if (typeof now !== 'function') throw new TypeError(`memoryStore: now must be a function; received ${typeof now}`)
+  if (typeof now !== 'function') throw new InvalidOptionError('memoryStore option "now"', 'a function returning ms since the epoch', now)
 
   const entries = new Map<string, Entry>()
   const slabs = new Slabs()
@@ -237,12 +236,6 @@ export function memoryStore (options: MemoryStoreOptions = {}): IdempotencyStore
       bytes = 0
     }
   }
-}
-
-function positive (name: string, value: number | undefined, fallback: number): number {
-  if (value === undefined) return fallback
-  if (!Number.isInteger(value) || value < 1) throw new TypeError(`memoryStore: ${name} must be a positive integer; received ${String(value)}`)
-  return value
 }
 
 function fingerprintOf (entry: Entry): Fingerprint {

@@ -3,6 +3,7 @@ import { InvalidOptionError } from './errors.js'
 import type { FingerprintFunction, FingerprintOption } from './fingerprint.js'
 import { DEFAULT_REPLAY_HEADERS, NEVER_REPLAYED } from './headers.js'
 import type { KeyFormat } from './key.js'
+import { integerOption, MAX_TIMER_MS } from './validate.js'
 import type { IdempotencyPrefilter } from './prefilter.js'
 import type { IdempotencyStore } from './store.js'
 
@@ -106,7 +107,6 @@ const HTTP_METHODS = new Set(['DELETE', 'GET', 'HEAD', 'PATCH', 'POST', 'PUT', '
 const HEADER_NAME = /^[!#$%&'*+.^_`|~0-9a-zA-Z-]+$/
 const ABSOLUTE_URI = /^[a-zA-Z][a-zA-Z0-9+.-]*:\S+$/
 
-const MAX_INTERVAL = 2_147_483_647 // setTimeout's ceiling; longer delays fire at once
 
 const DEFAULT_ROUTE: RouteSettings = Object.freeze({
   scope: null,
@@ -171,22 +171,22 @@ function mergeRouteOptions (base: RouteSettings, options: RouteIdempotencyOption
   const settings: RouteSettings = {
     scope: options.scope === undefined ? base.scope : fn(name('scope'), options.scope),
     required: options.required === undefined ? base.required : bool(name('required'), options.required),
-    ttl: options.ttl === undefined ? base.ttl : int(name('ttl'), options.ttl, 1, 'milliseconds'),
+    ttl: integerOption(name('ttl'), options.ttl, base.ttl, 1, MAX_TIMER_MS, 'milliseconds'),
     // A ttl shorter than the inherited lease shortens the lease with it; an explicit lease longer
     // than the ttl is refused below.
     lease: options.lease === undefined
-      ? (options.ttl === undefined ? base.lease : Math.min(base.lease, int(name('ttl'), options.ttl, 1, 'milliseconds')))
-      : int(name('lease'), options.lease, 1, 'milliseconds'),
-    wait: options.wait === undefined ? base.wait : int(name('wait'), options.wait, 0, 'milliseconds'),
-    maxKeyLength: options.maxKeyLength === undefined ? base.maxKeyLength : int(name('maxKeyLength'), options.maxKeyLength, 1, 'characters', 8192),
+      ? (options.ttl === undefined ? base.lease : Math.min(base.lease, integerOption(name('ttl'), options.ttl, base.ttl, 1, MAX_TIMER_MS, 'milliseconds')))
+      : integerOption(name('lease'), options.lease, base.lease, 1, MAX_TIMER_MS, 'milliseconds'),
+    wait: integerOption(name('wait'), options.wait, base.wait, 0, MAX_TIMER_MS, 'milliseconds'),
+    maxKeyLength: integerOption(name('maxKeyLength'), options.maxKeyLength, base.maxKeyLength, 1, 8192, 'characters'),
     keyFormat: options.keyFormat === undefined ? base.keyFormat : oneOf(name('keyFormat'), options.keyFormat, ['lenient', 'strict']),
     fingerprint: options.fingerprint === undefined ? base.fingerprint : resolveFingerprint(name('fingerprint'), options.fingerprint),
     record: options.record === undefined ? base.record : fn(name('record'), options.record),
-    maxResponseBytes: options.maxResponseBytes === undefined ? base.maxResponseBytes : int(name('maxResponseBytes'), options.maxResponseBytes, 0, 'bytes', Number.MAX_SAFE_INTEGER),
+    maxResponseBytes: integerOption(name('maxResponseBytes'), options.maxResponseBytes, base.maxResponseBytes, 0, Number.MAX_SAFE_INTEGER, 'bytes'),
     replayHeaders: options.replayHeaders === undefined ? base.replayHeaders : resolveReplayHeaders(name('replayHeaders'), options.replayHeaders),
     onStoreError: options.onStoreError === undefined ? base.onStoreError : oneOf(name('onStoreError'), options.onStoreError, ['fail', 'bypass']),
-    storeTimeout: options.storeTimeout === undefined ? base.storeTimeout : int(name('storeTimeout'), options.storeTimeout, 1, 'milliseconds'),
-    retryAfter: options.retryAfter === undefined ? base.retryAfter : int(name('retryAfter'), options.retryAfter, 0, 'seconds', 86_400),
+    storeTimeout: integerOption(name('storeTimeout'), options.storeTimeout, base.storeTimeout, 1, MAX_TIMER_MS, 'milliseconds'),
+    retryAfter: integerOption(name('retryAfter'), options.retryAfter, base.retryAfter, 0, 86_400, 'seconds'),
     transaction: options.transaction === undefined ? base.transaction : bool(name('transaction'), options.transaction)
   }
   if (settings.lease > settings.ttl) {
@@ -206,13 +206,6 @@ function fn<T> (name: string, value: T): T {
 
 function bool (name: string, value: unknown): boolean {
   if (typeof value !== 'boolean') throw new InvalidOptionError(name, 'true or false', value)
-  return value
-}
-
-function int (name: string, value: unknown, min: number, unit: string, max = MAX_INTERVAL): number {
-  if (typeof value !== 'number' || !Number.isInteger(value) || value < min || value > max) {
-    throw new InvalidOptionError(name, `an integer number of ${unit} from ${min} to ${max}`, value)
-  }
   return value
 }
 

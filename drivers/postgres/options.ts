@@ -1,5 +1,6 @@
 import type { Sql } from 'postgres'
 import { InvalidOptionError } from '../../lib/errors.js'
+import { integerOption, MAX_TIMER_MS } from '../../lib/validate.js'
 
 /**
  * A porsager `postgres` client. Typed loosely on its custom types (`Sql<any>`): a client created
@@ -49,7 +50,6 @@ export interface ResolvedStoreOptions extends ResolvedNames {
 export const DEFAULT_SCHEMA = 'public'
 export const DEFAULT_TABLE = 'idempotency_records'
 
-const MAX_INTERVAL = 2_147_483_647 // setInterval's ceiling; longer delays fire at once
 /** NAMEDATALEN - 1: PostgreSQL silently truncates longer identifiers, so two long names could collide. */
 const MAX_IDENTIFIER_BYTES = 63
 
@@ -60,8 +60,8 @@ export function resolveStoreOptions (options: PostgresStoreOptions): ResolvedSto
   return Object.freeze({
     sql: resolveClient('postgresStore option "sql"', options.sql),
     ...resolveNames(options, 'postgresStore'),
-    purgeInterval: integer('postgresStore option "purgeInterval"', options.purgeInterval, 60_000, 0, MAX_INTERVAL),
-    purgeBatch: integer('postgresStore option "purgeBatch"', options.purgeBatch, 1000, 1, MAX_INTERVAL)
+    purgeInterval: integerOption('postgresStore option "purgeInterval"', options.purgeInterval, 60_000, 0, MAX_TIMER_MS),
+    purgeBatch: integerOption('postgresStore option "purgeBatch"', options.purgeBatch, 1000, 1, MAX_TIMER_MS)
   })
 }
 
@@ -87,14 +87,6 @@ function identifier (name: string, value: unknown, fallback: string): string {
   if (typeof value !== 'string' || value.length === 0 || value.includes('.') || value.includes('\0') ||
       Buffer.byteLength(value) > MAX_IDENTIFIER_BYTES) {
     throw new InvalidOptionError(name, `a non-empty identifier of at most ${MAX_IDENTIFIER_BYTES} bytes, without dots`, value)
-  }
-  return value
-}
-
-function integer (name: string, value: unknown, fallback: number, min: number, max: number): number {
-  if (value === undefined) return fallback
-  if (typeof value !== 'number' || !Number.isInteger(value) || value < min || value > max) {
-    throw new InvalidOptionError(name, `an integer from ${min} to ${max}`, value)
   }
   return value
 }

@@ -1,5 +1,6 @@
 import type { Cluster, Redis } from 'ioredis'
 import { InvalidOptionError } from '../../lib/errors.js'
+import { integerOption, MAX_TIMER_MS } from '../../lib/validate.js'
 
 export interface RedisPrefilterOptions {
   /**
@@ -30,7 +31,6 @@ export interface ResolvedPrefilterOptions {
   readonly timeout: number
 }
 
-const MAX_TIMEOUT = 2_147_483_647 // setTimeout's ceiling; longer delays fire at once
 const MAX_PREFIX_LENGTH = 256
 
 export function resolvePrefilterOptions (options: RedisPrefilterOptions): ResolvedPrefilterOptions {
@@ -40,7 +40,7 @@ export function resolvePrefilterOptions (options: RedisPrefilterOptions): Resolv
   return Object.freeze({
     client: resolveClient(options.client),
     prefix: resolvePrefix(options.prefix),
-    timeout: resolveTimeout(options.timeout)
+    timeout: integerOption('redisPrefilter option "timeout"', options.timeout, 50, 1, MAX_TIMER_MS, 'ms')
   })
 }
 
@@ -61,12 +61,4 @@ function resolvePrefix (prefix: unknown): string {
       `a non-empty string of at most ${MAX_PREFIX_LENGTH} characters without braces`, prefix)
   }
   return prefix
-}
-
-function resolveTimeout (timeout: unknown): number {
-  if (timeout === undefined) return 50
-  if (typeof timeout !== 'number' || !Number.isInteger(timeout) || timeout < 1 || timeout > MAX_TIMEOUT) {
-    throw new InvalidOptionError('redisPrefilter option "timeout"', `an integer number of ms from 1 to ${MAX_TIMEOUT}`, timeout)
-  }
-  return timeout
 }

@@ -59,10 +59,10 @@ t.test('the purge timer sweeps expired records and close clears it', async (t) =
 })
 
 t.test('options are validated', async (t) => {
-  t.throws(() => memoryStore({ maxEntries: 0 }), /maxEntries must be a positive integer; received 0/)
-  t.throws(() => memoryStore({ maxBytes: 1.5 }), /maxBytes/)
-  t.throws(() => memoryStore({ purgeInterval: -1 }), /purgeInterval/)
-  t.throws(() => memoryStore({ now: 5 as unknown as () => number }), /now must be a function/)
+  t.throws(() => memoryStore({ maxEntries: 0 }), { code: 'FST_IDEMPOTENCY_INVALID_OPTION', message: /memoryStore option "maxEntries" must be an integer from 1 .*; received 0/ })
+  t.throws(() => memoryStore({ maxBytes: 1.5 }), /memoryStore option "maxBytes" .*received 1\.5/)
+  t.throws(() => memoryStore({ purgeInterval: -1 }), /memoryStore option "purgeInterval" .*received -1/)
+  t.throws(() => memoryStore({ now: 5 as unknown as () => number }), /memoryStore option "now" must be a function.*received 5/)
 })
 
 t.test('bodies are copied out of the caller\'s (possibly pooled) buffers', async (t) => {

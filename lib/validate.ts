@@ -1,0 +1,16 @@
+import { InvalidOptionError } from './errors.js'
+
+/** setTimeout's and setInterval's ceiling: a longer delay fires at once. */
+export const MAX_TIMER_MS = 2_147_483_647
+
+/**
+ * An integer option from `min` to `max` (`fallback` when absent), or an InvalidOptionError naming
+ * the option and the value received. Shared by the plugin's options and every driver's.
+ */
+export function integerOption (name: string, value: unknown, fallback: number, min: number, max: number, unit?: string): number {
+  if (value === undefined) return fallback
+  if (typeof value !== 'number' || !Number.isInteger(value) || value < min || value > max) {
+    throw new InvalidOptionError(name, `an integer${unit === undefined ? '' : ` number of ${unit}`} from ${min} to ${max}`, value)
+  }
+  return value
+}
