@@ -28,6 +28,7 @@ export type { IdempotencyContext } from './context.js'
 export type { FingerprintFunction, FingerprintOption } from './fingerprint.js'
 export type { KeyFormat } from './key.js'
 export type { IdempotencyOptions, RecordRule, RouteIdempotencyOptions, ScopeFunction } from './options.js'
+export type { IdempotencyPrefilter, PrefilterHit } from './prefilter.js'
 export type { ProblemKind } from './problems.js'
 export type {
   ClaimAcquired, ClaimCompleted, ClaimInProgress, ClaimRequest, ClaimResult, Fingerprint,
