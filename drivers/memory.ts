@@ -3,8 +3,10 @@ import { fingerprintsEqual } from '../lib/fingerprint.js'
 import { HeaderSets, Slabs } from './memory-packing.js'
 import { InvalidOptionError } from '../lib/errors.js'
 import { integerOption, MAX_TIMER_MS } from '../lib/validate.js'
+import type { InspectedRecord, RecoveryTools } from '../lib/admin.js'
+import { reconcileWith, startReconcilerWith, type ReconcileOptions, type ReconcilerOptions, type ReconcileSource } from '../lib/reconcile.js'
 import type {
-  ClaimRequest, ClaimResult, Fingerprint, IdempotencyStore, Lease, RecordId, StoredRecord, StoredResponse
+  ClaimRequest, ClaimResult, Fingerprint, IdempotencyStore, Lease, RecordId, StepResults, StoredRecord, StoredResponse
 } from '../lib/store.js'
 
 export interface MemoryStoreOptions {
@@ -16,6 +18,13 @@ export interface MemoryStoreOptions {
   purgeInterval?: number
   /** The clock, in ms since the epoch. Tests inject one to move time. @defaultValue Date.now */
   now?: () => number
+}
+
+/** The memory store: the plugin's store contract, recovery points, and the operator tools. */
+export interface MemoryStore extends IdempotencyStore, RecoveryTools {
+  loadSteps (lease: Lease): Promise<StepResults | null>
+  saveStep (lease: Lease, name: string, resultJson: string): Promise<boolean>
+  hold (lease: Lease): Promise<boolean>
 }
 
 /** Thrown by `claim` when the memory store is full of unexpired records: nothing live is ever dropped. */
@@ -44,6 +53,11 @@ interface Entry {
   statusCode: number
   headers: Readonly<Record<string, string | string[]>> | null
   bytes: number
+  /** In progress: recorded step results (JSON text by name), or null before the first. */
+  steps: Map<string, string> | null
+  /** In progress: held for the reconciler after an indeterminate failure; never taken over by a retry. */
+  indeterminate: boolean
+  createdAt: number
 }
 
 /** Per-record bookkeeping (Map slot, entry object, timestamps) counted against `maxBytes`. */
@@ -55,7 +69,7 @@ const SWEEP_SLICE = 10_000
  * one call, so claims are atomic with respect to each other within the process; it is not shared
  * between processes (use the Postgres driver for several instances).
  */
-export function memoryStore (options: MemoryStoreOptions = {}): IdempotencyStore {
+export function memoryStore (options: MemoryStoreOptions = {}): MemoryStore {
   const maxEntries = integerOption('memoryStore option "maxEntries"', options.maxEntries, 1_000_000, 1, Number.MAX_SAFE_INTEGER)
   const maxBytes = integerOption('memoryStore option "maxBytes"', options.maxBytes, 768 * 1024 * 1024, 1, Number.MAX_SAFE_INTEGER, 'bytes')
   const purgeInterval = integerOption('memoryStore option "purgeInterval"', options.purgeInterval, 60_000, 0, MAX_TIMER_MS, 'ms')
@@ -146,7 +160,73 @@ export function memoryStore (options: MemoryStoreOptions = {}): IdempotencyStore
       : { state: 'in_progress', fingerprint: fingerprintOf(entry), leaseRemainingMs: Math.max(0, entry.leaseUntil - at) }
   }
 
-  return {
+  function dropSteps (entry: Entry): void {
+    if (entry.steps === null) return
+    let size = 0
+    for (const [name, json] of entry.steps) size += (name.length + json.length) * 2
+    entry.steps = null
+    entry.bytes -= size
+    bytes -= size
+  }
+
+  function stepsOf (entry: Entry): StepResults {
+    const steps: Record<string, unknown> = {}
+    if (entry.steps !== null) for (const [name, json] of entry.steps) steps[name] = JSON.parse(json)
+    return steps
+  }
+
+  const reconcileSource: ReconcileSource = {
+    async findStuck (olderThanMs, limit) {
+      const at = now()
+      const found: Array<RecordId & { token: string }> = []
+      for (const [id, entry] of entries) {
+        if (found.length >= limit) break
+        if (entry.state === 'in_progress' && entry.expiresAt > at && entry.leaseUntil + olderThanMs <= at) {
+          found.push({ ...keyOf(id), token: entry.token })
+        }
+      }
+      return found
+    },
+    async acquire (candidate, olderThanMs, leaseMs) {
+      const at = now()
+      const entry = live(idOf(candidate.scope, candidate.key), at)
+      if (entry === undefined || entry.state !== 'in_progress' || entry.token !== candidate.token || entry.leaseUntil + olderThanMs > at) return null
+      entry.token = randomUUID()
+      entry.leaseUntil = at + leaseMs
+      return {
+        lease: { scope: candidate.scope, key: candidate.key, token: entry.token },
+        fingerprint: fingerprintOf(entry),
+        steps: stepsOf(entry),
+        indeterminate: entry.indeterminate,
+        createdAt: new Date(entry.createdAt)
+      }
+    },
+    complete: (lease, response, ttlMs) => store.complete(lease, response, ttlMs),
+    release: (lease) => store.release(lease),
+    async resume (lease) {
+      const entry = owned(lease, now())
+      if (entry === undefined) return false
+      entry.indeterminate = false
+      entry.leaseUntil = now()
+      return true
+    },
+    async leave (lease, wasIndeterminate) {
+      const entry = owned(lease, now())
+      if (entry === undefined) return false
+      entry.indeterminate = wasIndeterminate
+      entry.leaseUntil = now()
+      return true
+    }
+  }
+
+  /** Record ids are `${scope.length}:${scope}${key}`; this splits one back. */
+  function keyOf (id: string): RecordId {
+    const colon = id.indexOf(':')
+    const length = Number(id.slice(0, colon))
+    return { scope: id.slice(colon + 1, colon + 1 + length), key: id.slice(colon + 1 + length) }
+  }
+
+  const store: MemoryStore = {
     async claim (request: ClaimRequest): Promise<ClaimResult> {
       const at = now()
       const id = idOf(request.scope, request.key)
@@ -166,13 +246,16 @@ export function memoryStore (options: MemoryStoreOptions = {}): IdempotencyStore
           retained: false,
           statusCode: 0,
           headers: null,
-          bytes: ENTRY_OVERHEAD + id.length * 2
+          bytes: ENTRY_OVERHEAD + id.length * 2,
+          steps: null,
+          indeterminate: false,
+          createdAt: at
         }
         entries.set(id, created)
         bytes += created.bytes
         return { outcome: 'acquired', lease: { scope: request.scope, key: request.key, token }, takeover: false }
       }
-      if (entry.state === 'in_progress' && entry.leaseUntil <= at && fingerprintsEqual(fingerprintOf(entry), request.fingerprint)) {
+      if (entry.state === 'in_progress' && entry.leaseUntil <= at && !entry.indeterminate && fingerprintsEqual(fingerprintOf(entry), request.fingerprint)) {
         entry.token = randomUUID()
         entry.leaseUntil = at + request.leaseMs
         return { outcome: 'acquired', lease: { scope: request.scope, key: request.key, token: entry.token }, takeover: true }
@@ -195,6 +278,7 @@ export function memoryStore (options: MemoryStoreOptions = {}): IdempotencyStore
       entry.headers = headerSets.intern(response.headers)
       entry.fingerprint = null
       entry.token = ''
+      dropSteps(entry)
       const size = entry.packed.length + headerBytes(response.headers)
       entry.state = 'completed'
       entry.expiresAt = at + ttlMs
@@ -228,6 +312,61 @@ export function memoryStore (options: MemoryStoreOptions = {}): IdempotencyStore
       return purge(limit, now())
     },
 
+    async loadSteps (lease: Lease): Promise<StepResults | null> {
+      const entry = owned(lease, now())
+      return entry === undefined ? null : stepsOf(entry)
+    },
+
+    async saveStep (lease: Lease, name: string, resultJson: string): Promise<boolean> {
+      const entry = owned(lease, now())
+      if (entry === undefined || entry.steps?.has(name) === true) return false
+      entry.steps ??= new Map()
+      entry.steps.set(name, resultJson)
+      const size = (name.length + resultJson.length) * 2
+      entry.bytes += size
+      bytes += size
+      return true
+    },
+
+    async hold (lease: Lease): Promise<boolean> {
+      const entry = owned(lease, now())
+      if (entry === undefined) return false
+      entry.indeterminate = true
+      entry.leaseUntil = now()
+      return true
+    },
+
+    async inspect (id: RecordId): Promise<InspectedRecord | null> {
+      const at = now()
+      const entry = live(idOf(id.scope, id.key), at)
+      if (entry === undefined) return null
+      return {
+        scope: id.scope,
+        key: id.key,
+        state: entry.state,
+        fingerprint: fingerprintOf(entry),
+        indeterminate: entry.indeterminate,
+        steps: stepsOf(entry),
+        createdAt: new Date(entry.createdAt),
+        leaseRemainingMs: entry.state === 'in_progress' ? Math.max(0, entry.leaseUntil - at) : 0,
+        expiresInMs: entry.expiresAt - at,
+        response: entry.state === 'completed' ? responseOf(entry) : null
+      }
+    },
+
+    async forceRelease (id: RecordId): Promise<boolean> {
+      const recordId = idOf(id.scope, id.key)
+      const entry = live(recordId, now())
+      if (entry === undefined || entry.state !== 'in_progress') return false
+      drop(recordId, entry)
+      return true
+    },
+
+    reconcile: (options: ReconcileOptions) => reconcileWith(reconcileSource, options, 'memoryStore.reconcile'),
+
+    startReconciler: (options: ReconcilerOptions) =>
+      startReconcilerWith(() => reconcileWith(reconcileSource, options, 'memoryStore.reconcile'), options, 'memoryStore.startReconciler'),
+
     async close (): Promise<void> {
       closed = true
       if (timer !== null) clearInterval(timer)
@@ -236,6 +375,7 @@ export function memoryStore (options: MemoryStoreOptions = {}): IdempotencyStore
       bytes = 0
     }
   }
+  return store
 }
 
 function fingerprintOf (entry: Entry): Fingerprint {

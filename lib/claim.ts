@@ -4,7 +4,9 @@ import { answer, decision, type Engine } from './engine.js'
 import {
   canonicalFingerprint, customFingerprint, finishRawHash, fingerprintsEqual, startRawHash
 } from './fingerprint.js'
+import { SealedResponseError } from './encryption.js'
 import { renewWhileRunning } from './lease.js'
+import { RequestContext } from './recovery.js'
 import { consultPrefilter, markInFlight, rememberCompleted } from './prefiltering.js'
 import { abandon } from './settle.js'
 import type { ClaimAcquired, ClaimCompleted, ClaimInProgress, ClaimRequest, ClaimResult, Fingerprint, StoredResponse } from './store.js'
@@ -28,7 +30,7 @@ export async function claimKey (engine: Engine, request: FastifyRequest, reply: 
   }
   state.scope = scope
   const fingerprint = await fingerprintOf(request, state)
-  state.context = { key: state.key, scope, fingerprint, replayed: false }
+  state.context = new RequestContext(state.key, scope, fingerprint, engine, state)
   // `sql` (atomic mode) is typed by the Postgres entry point's augmentation of IdempotencyContext.
   request.idempotency = state.context as IdempotencyContext
 
@@ -92,7 +94,7 @@ function becomeOwner (engine: Engine, reply: FastifyReply, state: RequestState, 
   state.phase = 'owner'
   if (result.takeover) state.log.warn(decision(state, 'taken_over'), 'idempotency: took over an abandoned in-progress key')
   else state.log.debug(decision(state, 'executed'), 'idempotency: key claimed')
-  const context = state.context as NonNullable<RequestState['context']>
+  const context = state.context as RequestContext
   markInFlight(engine, state, context.fingerprint)
   if (result.transaction !== undefined) {
     // Atomic mode: the open transaction holds the record, and a crash rolls it back; no lease to renew.
@@ -161,7 +163,9 @@ function replay (engine: Engine, reply: FastifyReply, state: RequestState, respo
 }
 
 function storeFailed (engine: Engine, request: FastifyRequest, reply: FastifyReply, state: RequestState, err: unknown): FastifyReply | undefined {
-  if (state.settings.onStoreError === 'bypass') {
+  // A record that cannot be opened (encryption: unknown key id, tampering) is not an outage: the
+  // store answered, and the record says the operation ran, so bypassing would run it a second time.
+  if (state.settings.onStoreError === 'bypass' && !(err instanceof SealedResponseError)) {
     state.phase = 'unprotected'
     request.idempotency = null
     state.log.error({ ...decision(state, 'store_error'), err }, 'idempotency: store failed; running the handler WITHOUT idempotency protection (onStoreError: bypass)')

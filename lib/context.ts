@@ -1,7 +1,8 @@
 import type { Hash } from 'node:crypto'
 import type { FastifyBaseLogger, FastifyRequest } from 'fastify'
 import type { RouteSettings } from './options.js'
-import type { Fingerprint, Lease } from './store.js'
+import type { RequestContext } from './recovery.js'
+import type { Fingerprint, Lease, OutboxEntry } from './store.js'
 
 /** What a protected request exposes as `request.idempotency`. */
 export interface IdempotencyContext {
@@ -12,6 +13,46 @@ export interface IdempotencyContext {
   readonly fingerprint: Fingerprint
   /** True when this request was answered from the record instead of running the handler. */
   readonly replayed: boolean
+
+  /**
+   * The idempotency key for a downstream call named `name` (a provider's charge, an email): the
+   * same on every attempt of this operation (retries, takeovers, the reconciler), different for
+   * every other (scope, key, name). Pass it as the provider's own idempotency key.
+   */
+  deriveKey (name: string): string
+
+  /**
+   * A recovery point: runs `fn` at most once per (scope, key, name) and records its result (as JSON:
+   * the value `JSON.parse(JSON.stringify(result))`, which is also what the first run returns). When
+   * an attempt crashed or failed after the step completed, the next attempt gets the recorded result
+   * without running `fn` again and continues from the first incomplete step. Steps of one request
+   * run one after another, in call order. Lease mode only, with a store that records steps (memory,
+   * Postgres). Throws LeaseLostError when another attempt took the key over meanwhile.
+   */
+  step<T> (name: string, fn: () => T | Promise<T>): Promise<T>
+
+  /**
+   * Declares this request's failure indeterminate: an external effect may have happened. The key
+   * then stays in progress, with its recorded steps, and retries get 409 until the reconciler
+   * resolves it (`store.reconcile`). The default once a step completed.
+   */
+  markIndeterminate (): void
+
+  /**
+   * Declares this request's failure definite: nothing happened, so the key is released and a retry
+   * runs the operation again from the start (recorded steps are discarded). The default when no
+   * step completed.
+   */
+  markDefinite (): void
+
+  /**
+   * Transactional outbox (Postgres store with an `outbox` option): inserts `message` through
+   * `transaction` (default: this request's, in atomic mode; in lease mode pass the one a
+   * `step(name, fn, { transaction: true })` gives `fn`), so it exists exactly when that commits. It is
+   * delivered after the commit with the key `deriveKey(message.name)`; the store's worker delivers
+   * what a crash left behind.
+   */
+  enqueue (message: OutboxEntry, transaction?: unknown): Promise<void>
 }
 
 /**
@@ -36,7 +77,17 @@ export class RequestState {
   abandoned = false
   /** Atomic mode: the lease holds an open transaction (committed by complete, rolled back by release). */
   transactional = false
-  context: { key: string, scope: string, fingerprint: Fingerprint, replayed: boolean, sql?: unknown } | null = null
+  context: RequestContext | null = null
+  /** Set by markIndeterminate / markDefinite; null leaves it to the default (steps completed or not). */
+  failure: 'definite' | 'indeterminate' | null = null
+  /** A step of this operation completed (in this attempt or an earlier one): a failure is indeterminate. */
+  stepsCompleted = false
+  /** Recorded step results, loaded from the store at the first step() call. */
+  steps: Record<string, unknown> | null = null
+  /** A message was enqueued in the transaction now open: deliver after it commits. */
+  enqueued = false
+  /** The last step() call, so the next one runs after it settles (steps run in order). */
+  stepChain: Promise<unknown> = Promise.resolve()
 
   constructor (
     readonly key: string,

@@ -28,3 +28,17 @@ export class StoreTimeoutError extends Error {
     this.name = 'StoreTimeoutError'
   }
 }
+
+/**
+ * Raised by `request.idempotency.step()` when the request no longer owns its key (its lease lapsed
+ * and another attempt took the key over): the step's result was not recorded, and the handler must
+ * stop, since the new owner continues the operation.
+ */
+export class LeaseLostError extends Error {
+  readonly code = 'FST_IDEMPOTENCY_LEASE_LOST'
+
+  constructor (step: string) {
+    super(`fastify-idempotency: step "${step}" could not be recorded: this request no longer owns its Idempotency-Key (another attempt took it over)`)
+    this.name = 'LeaseLostError'
+  }
+}

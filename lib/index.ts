@@ -21,16 +21,24 @@ const fastifyIdempotency = fp<IdempotencyOptions>(idempotencyPlugin, { fastify: 
 
 export default fastifyIdempotency
 export { fastifyIdempotency }
-export { memoryStore, MemoryStoreFullError, type MemoryStoreOptions } from '../drivers/memory.js'
-export { InvalidOptionError, StoreTimeoutError } from './errors.js'
+export { memoryStore, MemoryStoreFullError, type MemoryStore, type MemoryStoreOptions } from '../drivers/memory.js'
+export { InvalidOptionError, LeaseLostError, StoreTimeoutError } from './errors.js'
 export { DEFAULT_REPLAY_HEADERS } from './headers.js'
 export type { IdempotencyContext } from './context.js'
+export type { InspectedRecord, RecoveryTools } from './admin.js'
+export type { StepOptions } from './recovery.js'
+export type {
+  ReconcileOptions, Reconciler, ReconcilerOptions, ReconcileReport, Resolution, ResolvedResponse, StuckRecord
+} from './reconcile.js'
+export type { EncryptionKey, EncryptionOptions } from './keyring.js'
 export type { FingerprintFunction, FingerprintOption } from './fingerprint.js'
 export type { KeyFormat } from './key.js'
-export type { IdempotencyOptions, RecordRule, RouteIdempotencyOptions, ScopeFunction } from './options.js'
+export type { IdempotencyOptions, RecordRule, RouteIdempotencyOptions, ScopeFunction, StatusRouteOptions } from './options.js'
 export type { IdempotencyPrefilter, PrefilterHit } from './prefilter.js'
 export type { ProblemKind } from './problems.js'
+export type { ProfileName } from './profiles.js'
+export type { IdempotencyKeyStatus } from './status-route.js'
 export type {
   ClaimAcquired, ClaimCompleted, ClaimInProgress, ClaimRequest, ClaimResult, Fingerprint,
-  IdempotencyStore, Lease, RecordId, StoredRecord, StoredResponse
+  IdempotencyStore, Lease, RecordId, StepResults, StoredRecord, StoredResponse
 } from './store.js'

@@ -3,6 +3,8 @@ import { InvalidOptionError } from './errors.js'
 import type { FingerprintFunction, FingerprintOption } from './fingerprint.js'
 import { DEFAULT_REPLAY_HEADERS, NEVER_REPLAYED } from './headers.js'
 import type { KeyFormat } from './key.js'
+import { resolveKeyring, type EncryptionOptions, type Keyring } from './keyring.js'
+import { PROFILE_NAMES, type ProfileName } from './profiles.js'
 import { integerOption, MAX_TIMER_MS } from './validate.js'
 import type { IdempotencyPrefilter } from './prefilter.js'
 import type { IdempotencyStore } from './store.js'
@@ -58,10 +60,42 @@ export interface IdempotencyOptions extends RouteIdempotencyOptions {
   prefilter?: IdempotencyPrefilter
   /** Methods protected without a route opting in. @defaultValue ['POST', 'PATCH'] */
   methods?: readonly string[]
+  /**
+   * Adds `GET <url>`, where a caller asks about its own key: in progress, completed (with the
+   * recorded status), or unknown (404). Scoped by `scope`, like claims; it never claims.
+   * @defaultValue none (no route)
+   */
+  statusRoute?: string | StatusRouteOptions
+  /** The shape of the plugin's error answers: RFC 9457 problems, or Stripe's error object. @defaultValue 'ietf' */
+  profile?: ProfileName
   /** Prefix of the problem `type` URIs. @defaultValue 'tag:fastify-idempotency,2026:' */
   problemTypeBase?: string
   /** Documentation linked from every problem with `Link: rel="describedby"`. @defaultValue none */
   docsUrl?: string
+  /**
+   * Documents each protected route in its schema (the Idempotency-Key header, the plugin's error
+   * answers, the replay marker) for @fastify/swagger (lib/openapi.ts). Set `false` when the app
+   * replaces Fastify's JSON Schema compilers for all routes (`setValidatorCompiler`, e.g. Zod).
+   * @defaultValue true
+   */
+  openapi?: boolean
+  /**
+   * Encrypts recorded response headers and bodies at rest (AES-256-GCM); the first key seals, every
+   * key opens. Registration only. @defaultValue none (responses are stored in clear)
+   */
+  encryption?: EncryptionOptions
+}
+
+export interface StatusRouteOptions {
+  /** The route's path, with a `:key` path segment, e.g. `'/idempotency-keys/:key'`. */
+  url: string
+  /** Also answer a completed key's recorded headers and body. @defaultValue false */
+  includeBody?: boolean
+}
+
+export interface StatusRouteSettings {
+  readonly url: string
+  readonly includeBody: boolean
 }
 
 export type ResolvedFingerprint =
@@ -90,8 +124,13 @@ export interface RouteSettings {
 
 export interface GlobalSettings {
   readonly methods: ReadonlySet<string>
+  readonly statusRoute: StatusRouteSettings | null
+  readonly profile: ProfileName
   readonly problemTypeBase: string
   readonly docsUrl: string | null
+  readonly openapi: boolean
+  /** Keys sealing recorded responses, or null. */
+  readonly encryption: Keyring | null
   readonly route: RouteSettings
 }
 
@@ -99,7 +138,7 @@ const ROUTE_OPTION_NAMES = [
   'scope', 'required', 'ttl', 'lease', 'wait', 'maxKeyLength', 'keyFormat', 'fingerprint', 'record',
   'maxResponseBytes', 'replayHeaders', 'onStoreError', 'storeTimeout', 'retryAfter', 'transaction'
 ] as const
-const GLOBAL_OPTION_NAMES = new Set<string>([...ROUTE_OPTION_NAMES, 'store', 'prefilter', 'methods', 'problemTypeBase', 'docsUrl'])
+const GLOBAL_OPTION_NAMES = new Set<string>([...ROUTE_OPTION_NAMES, 'store', 'prefilter', 'methods', 'problemTypeBase', 'docsUrl', 'encryption', 'statusRoute', 'profile', 'openapi'])
 const ROUTE_ONLY = new Set<string>(ROUTE_OPTION_NAMES)
 
 const HTTP_METHODS = new Set(['DELETE', 'GET', 'HEAD', 'PATCH', 'POST', 'PUT', 'OPTIONS', 'PROPFIND', 'PROPPATCH',
@@ -147,8 +186,12 @@ export function resolveGlobalOptions (options: IdempotencyOptions): GlobalSettin
   }
   return Object.freeze({
     methods,
+    statusRoute: resolveStatusRoute(options.statusRoute),
+    profile: options.profile === undefined ? 'ietf' : oneOf('option "profile"', options.profile, PROFILE_NAMES),
     problemTypeBase,
     docsUrl,
+    openapi: options.openapi === undefined ? true : bool('option "openapi"', options.openapi),
+    encryption: options.encryption === undefined ? null : resolveKeyring(options.encryption),
     route: mergeRouteOptions(DEFAULT_ROUTE, options, 'option')
   })
 }
@@ -245,4 +288,31 @@ function resolveReplayHeaders (name: string, value: unknown): ReadonlySet<string
     headers.add(lower)
   }
   return headers
+}
+
+/** A path of our own (no query, no fragment, no space) whose `:key` segment is the key. */
+const STATUS_URL = /^\/[^\s?#]*$/
+
+function resolveStatusRoute (value: unknown): StatusRouteSettings | null {
+  if (value === undefined) return null
+  let url: unknown = value
+  let includeBody: unknown
+  let name = 'option "statusRoute"'
+  if (typeof value !== 'string') {
+    if (value === null || typeof value !== 'object' || Array.isArray(value)) {
+      throw new InvalidOptionError(name, "a path such as '/idempotency-keys/:key', or { url, includeBody }", value)
+    }
+    for (const member of Object.keys(value)) {
+      if (member !== 'url' && member !== 'includeBody') throw new InvalidOptionError(`option "statusRoute.${member}"`, 'one of url, includeBody', member)
+    }
+    ({ url, includeBody } = value as Record<string, unknown>)
+    name = 'option "statusRoute.url"'
+  }
+  if (typeof url !== 'string' || !STATUS_URL.test(url) || !url.split('/').includes(':key')) {
+    throw new InvalidOptionError(name, "a path starting with / with a ':key' segment, such as '/idempotency-keys/:key'", url)
+  }
+  return Object.freeze({
+    url,
+    includeBody: includeBody === undefined ? false : bool('option "statusRoute.includeBody"', includeBody)
+  })
 }

@@ -1,12 +1,15 @@
 import type { FastifyInstance, FastifyPluginCallback, RouteOptions } from 'fastify'
 import { memoryStore } from '../drivers/memory.js'
 import { kState } from './context.js'
+import { sealAtRest } from './encryption.js'
 import type { Engine } from './engine.js'
 import { InvalidOptionError } from './errors.js'
 import { createRecordHook, routeHooks } from './hooks.js'
+import { documentRoute } from './openapi.js'
 import { resolveGlobalOptions, resolveRouteConfig, type GlobalSettings, type IdempotencyOptions, type RouteSettings } from './options.js'
 import { buildProblemBodies } from './problems.js'
 import type { IdempotencyPrefilter } from './prefilter.js'
+import { registerStatusRoute } from './status-route.js'
 import type { IdempotencyStore } from './store.js'
 import { Waiters } from './waiters.js'
 
@@ -28,10 +31,12 @@ export const idempotencyPlugin: FastifyPluginCallback<IdempotencyOptions> = func
   const ownsStore = options.store === undefined
   const store = options.store ?? memoryStore()
 
-  const problemOptions = { typeBase: global.problemTypeBase, docsUrl: global.docsUrl }
+  const problemOptions = { typeBase: global.problemTypeBase, docsUrl: global.docsUrl, profile: global.profile }
+  // With `encryption`, every driver and the pre-filter hold sealed responses (lib/encryption.ts).
+  const atRest = sealAtRest(global.encryption, store, options.prefilter ?? null)
   const engine: Engine = {
-    store,
-    prefilter: options.prefilter ?? null,
+    store: atRest.store,
+    prefilter: atRest.prefilter,
     waiters: new Waiters(),
     problems: buildProblemBodies(problemOptions),
     problemOptions
@@ -48,6 +53,16 @@ export const idempotencyPlugin: FastifyPluginCallback<IdempotencyOptions> = func
   fastify.decorateRequest(kState, null)
   fastify.addHook('onRoute', (route) => protectRoute(engine, global, route))
   fastify.addHook('onSend', createRecordHook(engine))
+  if (global.statusRoute !== null) {
+    try {
+      registerStatusRoute(fastify, engine, global, global.statusRoute)
+    } catch (err) {
+      // A path the router refuses, or one the app already declared: the registration fails, like a bad option.
+      if (ownsStore) store.close().catch(() => {})
+      done(err as Error)
+      return
+    }
+  }
   if (ownsStore) fastify.addHook('onClose', async () => { await store.close() })
   done()
 }
@@ -88,6 +103,7 @@ function protectRoute (engine: Engine, global: GlobalSettings, route: RouteOptio
     if (settings.transaction) checkTransactions(engine.store, `${where} config.idempotency.transaction`)
   }
 
+  documentRoute(route, engine, global, settings, methods)
   const hooks = routeHooks(engine, settings, methods)
   appendHook(route, 'onRequest', hooks.onRequest)
   if (hooks.preParsing !== null) appendHook(route, 'preParsing', hooks.preParsing)

@@ -1,10 +1,11 @@
 import type { FastifyReply } from 'fastify'
+import { occurrenceBody, renderProblems, type ProblemDefinition, type ProfileName, type RenderedProblem } from './profiles.js'
 
 /**
  * The plugin's own answers, as RFC 9457 problem details. Each kind has its own absolute `type` URI
  * (§3.1.1) and a constant `title` (§3.1.3); the titles are the draft's (§2.7) where it has them.
  * `detail` never echoes the key nor anything recorded for any key (RFC 9457 §5). None of these is
- * ever recorded as a key's outcome.
+ * ever recorded as a key's outcome. The `profile` option may give them another shape (lib/profiles.ts).
  */
 export type ProblemKind =
   | 'key-missing'
@@ -14,12 +15,7 @@ export type ProblemKind =
   | 'store-unavailable'
   | 'response-not-retained'
   | 'not-committed'
-
-interface ProblemDefinition {
-  readonly status: number
-  readonly title: string
-  readonly detail: string
-}
+  | 'key-unknown'
 
 export const PROBLEMS: Readonly<Record<ProblemKind, ProblemDefinition>> = {
   'key-missing': {
@@ -60,6 +56,13 @@ export const PROBLEMS: Readonly<Record<ProblemKind, ProblemDefinition>> = {
     title: 'Idempotency-Key response was not retained',
     detail: 'The operation for this Idempotency-Key completed, but its response was too large to be recorded, ' +
       'so it cannot be replayed. The operation will not be executed again.'
+  },
+  // The status route's answer for a key the caller has no record of: a key of another scope gets
+  // exactly this answer too, so a key's existence never leaks across principals (draft §5).
+  'key-unknown': {
+    status: 404,
+    title: 'Idempotency-Key is unknown',
+    detail: 'No request with this Idempotency-Key is recorded for you: it was never used, or its record expired.'
   }
 }
 
@@ -68,25 +71,22 @@ export interface ProblemOptions {
   readonly typeBase: string
   /** When set, every problem also carries `Link: <docsUrl>; rel="describedby"` (draft §2.7). */
   readonly docsUrl: string | null
+  /** The shape of the answers. */
+  readonly profile: ProfileName
 }
 
-/** The serialised bodies, built once at registration: a problem answer is a constant string. */
-export type ProblemBodies = Readonly<Record<ProblemKind, string>>
+/** Every kind's answer under the registration's profile, built once at registration. */
+export type ProblemBodies = Readonly<Record<ProblemKind, RenderedProblem>>
 
 export function buildProblemBodies (options: ProblemOptions): ProblemBodies {
-  const bodies = {} as Record<ProblemKind, string>
-  for (const kind of Object.keys(PROBLEMS) as ProblemKind[]) {
-    const { status, title, detail } = PROBLEMS[kind]
-    bodies[kind] = JSON.stringify({ type: options.typeBase + kind, title, status, detail })
-  }
-  return bodies
+  return renderProblems(options.profile, PROBLEMS, options)
 }
 
 export interface ProblemAnswer {
   readonly kind: ProblemKind
   /** Occurrence-specific detail replacing the default one. */
   readonly detail?: string
-  /** Extension members (RFC 9457 §3.2), e.g. `retryAfter`. */
+  /** Extension members (RFC 9457 §3.2), e.g. `originalStatus`; never a name the body already has. */
   readonly extensions?: Readonly<Record<string, unknown>>
   /** Seconds for the `Retry-After` header (RFC 9110 §10.2.3). */
   readonly retryAfter?: number
@@ -108,17 +108,14 @@ export function applyProblem (
   options: ProblemOptions,
   answer: ProblemAnswer
 ): string {
-  const { status } = PROBLEMS[answer.kind]
-  let body = bodies[answer.kind]
-  if (answer.detail !== undefined || answer.extensions !== undefined) {
-    const problem = JSON.parse(body) as Record<string, unknown>
-    if (answer.detail !== undefined) problem.detail = answer.detail
-    Object.assign(problem, answer.extensions)
-    body = JSON.stringify(problem)
-  }
-  reply.code(status)
-  reply.header('content-type', 'application/problem+json')
+  const problem = bodies[answer.kind]
+  const body = answer.detail === undefined && answer.extensions === undefined
+    ? problem.body
+    : occurrenceBody(problem, answer.detail, answer.extensions)
+  reply.code(problem.status)
+  reply.header('content-type', problem.contentType)
   reply.header('cache-control', 'no-store')
+  for (const [name, value] of problem.headers) reply.header(name, value)
   if (answer.retryAfter !== undefined) reply.header('retry-after', String(answer.retryAfter))
   if (options.docsUrl !== null) reply.header('link', `<${options.docsUrl}>; rel="describedby"; type="text/html"`)
   return body

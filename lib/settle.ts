@@ -6,6 +6,7 @@ import { pickReplayHeaders } from './headers.js'
 import { stopRenewal } from './lease.js'
 import { clearInFlight, rememberCompleted } from './prefiltering.js'
 import { applyProblem } from './problems.js'
+import { deliverEnqueued } from './recovery.js'
 import type { Lease, StoredResponse } from './store.js'
 import { withTimeout } from './timeout.js'
 import { localId } from './waiters.js'
@@ -23,7 +24,7 @@ export async function settleOwner (engine: Engine, reply: FastifyReply, state: R
   stopRenewal(state)
   const lease = state.lease as Lease
   if (state.errored) {
-    await release(engine, state, lease, 'the handler failed')
+    await giveUp(engine, state, lease, 'the handler failed')
     return payload
   }
 
@@ -31,11 +32,11 @@ export async function settleOwner (engine: Engine, reply: FastifyReply, state: R
   const sent = captured.kind === 'stream' ? captured.source : payload
   const statusCode = reply.statusCode
   if (!state.settings.record(statusCode)) {
-    await release(engine, state, lease, `status ${statusCode} is not recorded`)
+    await giveUp(engine, state, lease, `status ${statusCode} is not recorded`)
     return sent
   }
   if (captured.kind === 'unsupported') {
-    await release(engine, state, lease, 'the payload type cannot be recorded')
+    await giveUp(engine, state, lease, 'the payload type cannot be recorded')
     return payload
   }
 
@@ -51,7 +52,7 @@ export async function settleOwner (engine: Engine, reply: FastifyReply, state: R
   }
   return captureStream(captured.source, limit, {
     onEnd: (body) => record(engine, state, lease, { statusCode, headers, body }),
-    onError: () => release(engine, state, lease, 'the response stream failed')
+    onError: () => giveUp(engine, state, lease, 'the response stream failed')
   })
 }
 
@@ -63,8 +64,8 @@ export async function settleOwner (engine: Engine, reply: FastifyReply, state: R
 export async function releaseUnsent (engine: Engine, state: RequestState): Promise<void> {
   state.phase = 'settling'
   stopRenewal(state)
-  state.log.warn(decision(state, 'released'), 'idempotency: the response bypassed onSend (reply.hijack() or a raw write), so it cannot be recorded; key released')
-  await release(engine, state, state.lease as Lease, 'the response was not sent through Fastify')
+  state.log.warn(decision(state, 'not_recorded'), 'idempotency: the response bypassed onSend (reply.hijack() or a raw write), so it cannot be recorded')
+  await giveUp(engine, state, state.lease as Lease, 'the response was not sent through Fastify')
 }
 
 /**
@@ -112,6 +113,7 @@ async function commitThenSend (
     const committed = await withTimeout('complete', state.settings.storeTimeout, () => engine.store.complete(lease, response, state.settings.ttl))
     if (!committed) throw new Error('the transaction no longer owned the record')
     state.log.debug(decision(state, 'recorded'), 'idempotency: response recorded and transaction committed')
+    deliverEnqueued(engine, state)
     if (state.context !== null) rememberCompleted(engine, state, state.context.fingerprint, response, state.settings.ttl, since)
   } catch (err) {
     state.log.error({ ...decision(state, 'store_error'), err }, 'idempotency: the transaction could not be committed; answering 500')
@@ -149,6 +151,31 @@ async function record (engine: Engine, state: RequestState, lease: Lease, respon
       }
       await new Promise((resolve) => setTimeout(resolve, delay))
     }
+  }
+  done(engine, state)
+}
+
+/**
+ * The outcome will not be recorded. A definite failure (nothing happened) releases the key so a
+ * retry runs the operation again. An indeterminate one (an external effect may have happened:
+ * declared with markIndeterminate(), or the default once a step completed) keeps the record and its
+ * steps in progress for the reconciler: releasing it would discard the recovery points and let a
+ * retry repeat steps that already took effect.
+ */
+async function giveUp (engine: Engine, state: RequestState, lease: Lease, reason: string): Promise<void> {
+  const indeterminate = !state.transactional &&
+    (state.failure === 'indeterminate' || (state.failure === null && state.stepsCompleted))
+  if (!indeterminate) return release(engine, state, lease, reason)
+  clearInFlight(engine, state)
+  const store = engine.store
+  try {
+    if (store.hold === undefined) throw new TypeError('the store cannot hold a record for reconciliation (it has no hold())')
+    const held = await withTimeout('hold', state.settings.storeTimeout, () => (store.hold as NonNullable<typeof store.hold>)(lease))
+    if (held) state.log.warn(decision(state, 'held'), `idempotency: indeterminate failure (${reason}); key held in progress for reconciliation`)
+    else state.log.warn(decision(state, 'lease_lost'), `idempotency: indeterminate failure (${reason}), but the key was taken over meanwhile`)
+  } catch (err) {
+    // The record keeps its steps; its lease lapses and a retry takes it over and continues from them.
+    state.log.error({ ...decision(state, 'store_error'), err }, `idempotency: could not hold the key after an indeterminate failure (${reason}); it is taken over by a retry once its lease lapses`)
   }
   done(engine, state)
 }

@@ -85,6 +85,22 @@ export interface ClaimCompleted {
 
 export type ClaimResult = ClaimAcquired | ClaimInProgress | ClaimCompleted
 
+/**
+ * Recorded results of a request's recovery points (`request.idempotency.step`), by step name: the
+ * JSON value each completed step returned.
+ */
+export type StepResults = Readonly<Record<string, unknown>>
+
+/** A message for the transactional outbox (`request.idempotency.enqueue`). */
+export interface OutboxEntry {
+  /** Unique within the operation: enqueueing a name twice keeps the first message. */
+  readonly name: string
+  /** Free-form routing label for the deliverer (an email provider, a queue name). */
+  readonly topic: string
+  /** Any JSON value. */
+  readonly payload: unknown
+}
+
 /** A record as `get` returns it. */
 export type StoredRecord =
   | { readonly state: 'in_progress', readonly fingerprint: Fingerprint, readonly leaseRemainingMs: number }
@@ -144,4 +160,47 @@ export interface IdempotencyStore {
    * reports it in progress. On any outcome but `acquired`, no transaction is left open.
    */
   claimInTransaction? (request: ClaimRequest & { readonly waitMs: number }): Promise<ClaimResult>
+
+  /**
+   * Optional (recovery points, `request.idempotency.step`): the step results recorded on the
+   * in-progress record `lease` owns, or null when the lease no longer owns it. A takeover keeps
+   * them (the new owner continues from the first incomplete step); an expired record reclaimed as
+   * a fresh one starts with none.
+   */
+  loadSteps? (lease: Lease): Promise<StepResults | null>
+
+  /**
+   * Optional: records one step's JSON result (`resultJson`, already serialized) on the record,
+   * fenced like `complete`. Returns false, writing nothing, when the lease no longer owns the record
+   * or the step is already recorded.
+   */
+  saveStep? (lease: Lease, name: string, resultJson: string): Promise<boolean>
+
+  /**
+   * Optional (transactional recovery points, `step(name, fn, { transaction: true })`): runs
+   * `fn(transaction)` in a new transaction, serializes its result with `toJson`, and records the step
+   * in that same transaction, fenced like `saveStep`, so the step's writes and its record commit
+   * together. Returns the recorded JSON, or null when the lease no longer owns the record (then
+   * everything `fn` wrote is rolled back). An error thrown by `fn` rolls back and propagates.
+   */
+  runStepInTransaction? (lease: Lease, name: string, fn: (transaction: unknown) => Promise<unknown>, toJson: (value: unknown) => string): Promise<string | null>
+
+  /**
+   * Optional (indeterminate failures): keeps the record in progress, with its steps, for the
+   * reconciler: it is never taken over by a retry (retries get 409) until the reconciler resolves
+   * it. Fenced like `complete`; false when the lease no longer owns the record.
+   */
+  hold? (lease: Lease): Promise<boolean>
+
+  /**
+   * Optional (transactional outbox): inserts `message` through `transaction` (the atomic-mode
+   * request's, or a transactional step's), so it exists exactly when that transaction commits.
+   */
+  enqueue? (transaction: unknown, message: RecordId & OutboxEntry): Promise<void>
+
+  /**
+   * Optional: called (and not awaited) after a transaction that enqueued messages for `id`
+   * committed, so the driver delivers them at once; a crash before then leaves them to its worker.
+   */
+  afterCommit? (id: RecordId): void
 }

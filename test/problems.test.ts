@@ -13,7 +13,7 @@ import { buildApp, deferred, keyed, PROBLEM_TYPE } from './helpers/app.js'
 type MemoryKind = Exclude<ProblemKind, 'not-committed'>
 
 const KINDS: readonly MemoryKind[] = [
-  'key-missing', 'key-invalid', 'key-reused', 'request-in-progress', 'store-unavailable', 'response-not-retained'
+  'key-missing', 'key-invalid', 'key-reused', 'request-in-progress', 'store-unavailable', 'response-not-retained', 'key-unknown'
 ]
 
 const STATUS: Readonly<Record<MemoryKind, number>> = {
@@ -22,7 +22,8 @@ const STATUS: Readonly<Record<MemoryKind, number>> = {
   'key-reused': 422,
   'request-in-progress': 409,
   'store-unavailable': 503,
-  'response-not-retained': 410
+  'response-not-retained': 410,
+  'key-unknown': 404
 }
 
 /** The draft's titles (§2.7), verbatim. */
@@ -71,7 +72,7 @@ async function world (t: Test, plugin: IdempotencyOptions = {}): Promise<World> 
   const inner = memoryStore({ purgeInterval: 0 })
   t.teardown(() => inner.close())
   const store = failingStore(inner)
-  const app = await buildApp(t, { plugin: { store, ...plugin } })
+  const app = await buildApp(t, { plugin: { store, statusRoute: '/idempotency-keys/:key', ...plugin } })
   let runs = 0
   const entered = deferred()
   const release = deferred()
@@ -114,6 +115,8 @@ async function world (t: Test, plugin: IdempotencyOptions = {}): Promise<World> 
   t.equal(big.statusCode, 201, 'setup: the oversized original is answered in full')
   const notRetained = await post('/big', keyed(KEY('big')))
 
+  const unknown = await app.inject({ method: 'GET', url: `/idempotency-keys/${KEY('unknown')}` })
+
   return {
     app,
     store,
@@ -124,7 +127,8 @@ async function world (t: Test, plugin: IdempotencyOptions = {}): Promise<World> 
       'key-reused': reused,
       'request-in-progress': inProgress,
       'store-unavailable': unavailable,
-      'response-not-retained': notRetained
+      'response-not-retained': notRetained,
+      'key-unknown': unknown
     }
   }
 }
@@ -169,7 +173,7 @@ t.test('every kind has its own absolute type URI', async (t) => {
     t.match(type, /^[a-zA-Z][a-zA-Z0-9+.-]*:\S+$/, `${kind}: an absolute URI (RFC 3986 §4.3)`)
     types.add(String(type))
   }
-  t.equal(types.size, KINDS.length, 'six kinds, six types')
+  t.equal(types.size, KINDS.length, `${KINDS.length} kinds, ${KINDS.length} types`)
 })
 
 t.test('the draft\'s three titles are used verbatim', async (t) => {
@@ -203,7 +207,7 @@ t.test('409 and 503 carry Retry-After: 1 by default; the other problems do not',
   const w = await world(t)
   t.equal(w.problems['request-in-progress'].headers['retry-after'], '1')
   t.equal(w.problems['store-unavailable'].headers['retry-after'], '1')
-  for (const kind of ['key-missing', 'key-invalid', 'key-reused', 'response-not-retained'] as const) {
+  for (const kind of ['key-missing', 'key-invalid', 'key-reused', 'response-not-retained', 'key-unknown'] as const) {
     t.equal(w.problems[kind].headers['retry-after'], undefined, `${kind}: retrying the same request cannot help`)
   }
 })

@@ -1,6 +1,7 @@
 import type { Sql } from 'postgres'
 import { InvalidOptionError } from '../../lib/errors.js'
 import { integerOption, MAX_TIMER_MS } from '../../lib/validate.js'
+import { resolveOutboxOptions, type OutboxOptions, type ResolvedOutboxOptions } from './outbox.js'
 
 /**
  * A porsager `postgres` client. Typed loosely on its custom types (`Sql<any>`): a client created
@@ -34,6 +35,12 @@ export interface PostgresStoreOptions extends TableOptions {
    * @defaultValue 1000
    */
   purgeBatch?: number
+  /**
+   * Enables the transactional outbox (`request.idempotency.enqueue`): `deliver` sends one message,
+   * after the transaction that enqueued it committed, or from the worker (`startReconciler`,
+   * `deliverOutbox`) after a crash. See OutboxOptions.
+   */
+  outbox?: OutboxOptions
 }
 
 export interface ResolvedNames {
@@ -45,6 +52,7 @@ export interface ResolvedStoreOptions extends ResolvedNames {
   readonly sql: PostgresClient
   readonly purgeInterval: number
   readonly purgeBatch: number
+  readonly outbox: ResolvedOutboxOptions | null
 }
 
 export const DEFAULT_SCHEMA = 'public'
@@ -61,7 +69,8 @@ export function resolveStoreOptions (options: PostgresStoreOptions): ResolvedSto
     sql: resolveClient('postgresStore option "sql"', options.sql),
     ...resolveNames(options, 'postgresStore'),
     purgeInterval: integerOption('postgresStore option "purgeInterval"', options.purgeInterval, 60_000, 0, MAX_TIMER_MS),
-    purgeBatch: integerOption('postgresStore option "purgeBatch"', options.purgeBatch, 1000, 1, MAX_TIMER_MS)
+    purgeBatch: integerOption('postgresStore option "purgeBatch"', options.purgeBatch, 1000, 1, MAX_TIMER_MS),
+    outbox: resolveOutboxOptions(options.outbox)
   })
 }
 

@@ -18,7 +18,36 @@ CREATE TABLE IF NOT EXISTS idempotency_records (
   response_body         bytea,
   created_at            timestamptz NOT NULL DEFAULT now(),
   expires_at            timestamptz NOT NULL,
+  steps                 jsonb NOT NULL DEFAULT '{}',
+  indeterminate         boolean NOT NULL DEFAULT false,
   PRIMARY KEY (scope, key)
 );
 
+-- Upgrades a table created by an earlier version (no-op otherwise).
+ALTER TABLE idempotency_records
+  ADD COLUMN IF NOT EXISTS steps jsonb NOT NULL DEFAULT '{}',
+  ADD COLUMN IF NOT EXISTS indeterminate boolean NOT NULL DEFAULT false;
+
 CREATE INDEX IF NOT EXISTS idempotency_records_expires_at_idx ON idempotency_records (expires_at);
+
+CREATE INDEX IF NOT EXISTS idempotency_records_in_progress_idx
+  ON idempotency_records (lease_expires_at) WHERE state = 'in_progress';
+
+-- The transactional outbox. On Citus: SELECT create_distributed_table('idempotency_records_outbox', 'scope', colocate_with => 'idempotency_records');
+CREATE TABLE IF NOT EXISTS idempotency_records_outbox (
+  scope           text COLLATE "C" NOT NULL,
+  key             text COLLATE "C" NOT NULL,
+  name            text COLLATE "C" NOT NULL,
+  topic           text NOT NULL,
+  payload         jsonb NOT NULL,
+  delivery_key    text NOT NULL,
+  created_at      timestamptz NOT NULL DEFAULT now(),
+  next_attempt_at timestamptz NOT NULL DEFAULT now(),
+  attempts        integer NOT NULL DEFAULT 0,
+  last_error      text,
+  delivered_at    timestamptz,
+  PRIMARY KEY (scope, key, name)
+);
+
+CREATE INDEX IF NOT EXISTS idempotency_records_outbox_due_idx
+  ON idempotency_records_outbox (next_attempt_at) WHERE delivered_at IS NULL;

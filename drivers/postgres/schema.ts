@@ -49,9 +49,43 @@ export async function migrate (sql: PostgresClient, options: TableOptions = {}):
         response_body         bytea,
         created_at            timestamptz NOT NULL DEFAULT now(),
         expires_at            timestamptz NOT NULL,
+        steps                 jsonb NOT NULL DEFAULT '{}',
+        indeterminate         boolean NOT NULL DEFAULT false,
         PRIMARY KEY (scope, key)
       )`.simple()
+    // Recovery points and indeterminate failures came after the first release: a table created by
+    // an earlier version gets their columns here (a no-op on a table created above).
+    await tx`
+      ALTER TABLE ${tx(names.schema)}.${tx(names.table)}
+        ADD COLUMN IF NOT EXISTS steps jsonb NOT NULL DEFAULT '{}',
+        ADD COLUMN IF NOT EXISTS indeterminate boolean NOT NULL DEFAULT false`.simple()
     // The purge finds expired records through this index instead of scanning the table.
     await tx`CREATE INDEX IF NOT EXISTS ${tx(index)} ON ${tx(names.schema)}.${tx(names.table)} (expires_at)`.simple()
+    // The reconciler finds records left in progress through this one; completed records (almost
+    // all of them) are not in it.
+    await tx`
+      CREATE INDEX IF NOT EXISTS ${tx(`${names.table}_in_progress_idx`)}
+      ON ${tx(names.schema)}.${tx(names.table)} (lease_expires_at) WHERE state = 'in_progress'`.simple()
+    // The transactional outbox (drivers/postgres/outbox.ts): messages enqueued in a request's or a
+    // step's transaction, delivered after it commits. Keyed like the records (scope first, for
+    // Citus co-location), one message per (scope, key, name).
+    await tx`
+      CREATE TABLE IF NOT EXISTS ${tx(names.schema)}.${tx(`${names.table}_outbox`)} (
+        scope           text COLLATE "C" NOT NULL,
+        key             text COLLATE "C" NOT NULL,
+        name            text COLLATE "C" NOT NULL,
+        topic           text NOT NULL,
+        payload         jsonb NOT NULL,
+        delivery_key    text NOT NULL,
+        created_at      timestamptz NOT NULL DEFAULT now(),
+        next_attempt_at timestamptz NOT NULL DEFAULT now(),
+        attempts        integer NOT NULL DEFAULT 0,
+        last_error      text,
+        delivered_at    timestamptz,
+        PRIMARY KEY (scope, key, name)
+      )`.simple()
+    await tx`
+      CREATE INDEX IF NOT EXISTS ${tx(`${names.table}_outbox_due_idx`)}
+      ON ${tx(names.schema)}.${tx(`${names.table}_outbox`)} (next_attempt_at) WHERE delivered_at IS NULL`.simple()
   })
 }

@@ -29,7 +29,10 @@ export interface ExistingRecord {
   readonly token: string
   /** expires_at <= now(): the record is past its ttl and may be reclaimed by any request. */
   readonly expired: boolean
-  /** lease_expires_at <= now(): an in-progress owner stopped renewing. */
+  /**
+   * lease_expires_at <= now() and not held for the reconciler: an in-progress owner stopped renewing,
+   * so a retry of the same request may take the record over.
+   */
   readonly lapsed: boolean
   readonly leaseRemainingMs: number
   /** Milliseconds until expires_at (0 once expired), so a pre-filter's copy never outlives the record. */
@@ -91,7 +94,8 @@ export function createStatements (sql: PostgresClient | TransactionSql<any>, nam
   // database (0 once lapsed; ceil so that it is 0 exactly when lease_expires_at <= now()). The body
   // of an expired record is not fetched: it is about to be replaced.
   const recordColumns = `
-    state, fingerprint_algorithm, fingerprint, owner_token::text, expires_at <= now(), lease_expires_at <= now(),
+    state, fingerprint_algorithm, fingerprint, owner_token::text, expires_at <= now(),
+    lease_expires_at <= now() AND NOT indeterminate,
     greatest(0, ceil(extract(epoch FROM lease_expires_at - now()) * 1000))::float8,
     response_status, response_headers, CASE WHEN expires_at > now() THEN response_body END,
     greatest(0, floor(extract(epoch FROM expires_at - now()) * 1000))::float8`
@@ -127,19 +131,22 @@ export function createStatements (sql: PostgresClient | TransactionSql<any>, nam
     SET fingerprint = $3::bytea, fingerprint_algorithm = $4,
         state = 'in_progress', owner_token = $5::uuid,
         lease_expires_at = ${later(6)}, expires_at = ${later(7)}, created_at = now(),
-        response_status = NULL, response_headers = NULL, response_body = NULL
+        response_status = NULL, response_headers = NULL, response_body = NULL,
+        steps = '{}', indeterminate = false
     WHERE scope = $1 AND key = $2 AND owner_token = $8::uuid AND expires_at <= now()
   `
 
   // An in-progress record whose owner stopped renewing, retried with the same request: handed to
-  // a new token (the old one stops working: complete/release/renew are fenced by it). The record
-  // lives at least a ttl from now, as a newly created one would.
+  // a new token (the old one stops working: complete/release/renew are fenced by it), with its
+  // recorded steps, so the new owner continues from the first incomplete one. The record lives at
+  // least a ttl from now, as a newly created one would. A record held for the reconciler
+  // (indeterminate) is never taken over by a retry.
   const takeoverText = `
     UPDATE ${table}
     SET owner_token = $5::uuid, lease_expires_at = ${later(6)},
         expires_at = greatest(expires_at, ${later(7)})
     WHERE scope = $1 AND key = $2 AND owner_token = $8::uuid
-      AND state = 'in_progress' AND lease_expires_at <= now() AND expires_at > now()
+      AND state = 'in_progress' AND lease_expires_at <= now() AND NOT indeterminate AND expires_at > now()
       AND fingerprint_algorithm = $4 AND fingerprint = $3::bytea
   `
 
@@ -243,7 +250,7 @@ export function createStatements (sql: PostgresClient | TransactionSql<any>, nam
 }
 
 /** What the statements bind: strings, numbers, the digest and body bytes, null (no body). */
-type Value = string | number | Buffer | null
+export type Value = string | number | boolean | Buffer | null
 
 /**
  * `name` quoted and escaped by postgres.js itself, rendered once: `sql(name)` is what a tagged
@@ -251,7 +258,7 @@ type Value = string | number | Buffer | null
  * rejects dots and NUL) and a client's column-name transform (postgres.camel, ...) applies to it
  * as it does in migrate(), which creates the table through `sql(name)` too.
  */
-function identifier (sql: PostgresClient | TransactionSql<any>, name: string): string {
+export function identifier (sql: PostgresClient | TransactionSql<any>, name: string): string {
   const rendered = (sql(name) as unknown as RenderedIdentifier).value
   if (typeof rendered !== 'string' || !rendered.startsWith('"')) {
     throw new Error('fastify-idempotency: this version of postgres.js renders identifiers in a way the Postgres driver does not know')

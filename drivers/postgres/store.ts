@@ -1,22 +1,40 @@
 import { randomUUID } from 'node:crypto'
+import type { RecoveryTools } from '../../lib/admin.js'
 import { fingerprintsEqual } from '../../lib/fingerprint.js'
+import { reconcileWith, startReconcilerWith, type ReconcileOptions, type ReconcilerOptions, type ReconcileReport } from '../../lib/reconcile.js'
 import type {
-  ClaimRequest, ClaimResult, IdempotencyStore, Lease, RecordId, StoredRecord, StoredResponse
+  ClaimRequest, ClaimResult, IdempotencyStore, Lease, OutboxEntry, RecordId, StepResults, StoredRecord, StoredResponse
 } from '../../lib/store.js'
 import { resolveStoreOptions, type PostgresStoreOptions } from './options.js'
+import { createOutbox, type DeliveryReport } from './outbox.js'
+import { createRecovery } from './recovery.js'
 import { migrate } from './schema.js'
 import { createStatements, type ExistingRecord } from './statements.js'
 import { createTransactions } from './transaction.js'
 
 /** An {@link IdempotencyStore} on PostgreSQL that can also create its own table. */
-export interface PostgresStore extends IdempotencyStore {
+export interface PostgresStore extends IdempotencyStore, RecoveryTools {
   /** Creates the schema, table and index when missing (see {@link migrate}); safe to call at every boot. */
   migrate (): Promise<void>
   /** Atomic mode (route option `transaction: true`); see transaction.ts. */
   claimInTransaction (request: ClaimRequest & { readonly waitMs: number }): Promise<ClaimResult>
   /** Transactions held open by atomic-mode requests in flight; 0 when idle means no connection leaked. */
   readonly openTransactions: number
+  loadSteps (lease: Lease): Promise<StepResults | null>
+  saveStep (lease: Lease, name: string, resultJson: string): Promise<boolean>
+  runStepInTransaction (lease: Lease, name: string, fn: (transaction: unknown) => Promise<unknown>, toJson: (value: unknown) => string): Promise<string | null>
+  hold (lease: Lease): Promise<boolean>
+  enqueue (transaction: unknown, message: RecordId & OutboxEntry): Promise<void>
+  afterCommit (id: RecordId): void
+  /**
+   * Delivers up to `limit` due outbox messages (left by a crash, or waiting for a retry after a
+   * failed delivery). `startReconciler` does this on every pass; call it yourself without one.
+   */
+  deliverOutbox (limit?: number): Promise<DeliveryReport>
 }
+
+/** Other instances' reconcilers wait for this lock; the table's name is part of it, so two tables reconcile independently. */
+const RECONCILER_LOCK = 'fastify-idempotency:reconcile:'
 
 /**
  * How many rounds one claim may take (see claimRound). Each extra round means another attempt
@@ -62,6 +80,9 @@ export function postgresStore (options: PostgresStoreOptions): PostgresStore {
   const settings = resolveStoreOptions(options)
   const statements = createStatements(settings.sql, settings)
   const transactions = createTransactions(settings.sql, settings)
+  const recovery = createRecovery(settings.sql, settings)
+  const outbox = settings.outbox === null ? null : createOutbox(settings.sql, settings, settings.outbox)
+  const deliveries = new Set<Promise<unknown>>()
   let purging: Promise<void> | null = null
   let closed = false
 
@@ -87,7 +108,38 @@ export function postgresStore (options: PostgresStoreOptions): PostgresStore {
       if (deleted === 0) break
       total += deleted
     }
+    while (outbox !== null && !closed) {
+      if (await retrying(() => outbox.purgeDelivered(settings.purgeBatch)) === 0) break
+    }
     return total
+  }
+
+  function requireOutbox (): NonNullable<typeof outbox> {
+    if (outbox === null) throw new TypeError('fastify-idempotency: this postgres store has no outbox: postgresStore({ sql, outbox: { deliver } })')
+    return outbox
+  }
+
+  const reconcileSource = recovery.source(
+    (lease, response, ttlMs) => retrying(() => statements.complete(lease, response, ttlMs)),
+    (lease) => retrying(() => statements.release(lease))
+  )
+
+  /** A reconciler pass, then the outbox's leftovers, under one advisory lock held on one reserved connection. */
+  async function exclusively (run: () => Promise<void>): Promise<boolean> {
+    const connection = await settings.sql.reserve()
+    try {
+      const lock = `${RECONCILER_LOCK}${settings.schema}.${settings.table}`
+      const [row] = await connection`SELECT pg_try_advisory_lock(hashtextextended(${lock}, 0)) AS locked`
+      if (row?.locked !== true) return false
+      try {
+        await run()
+      } finally {
+        await connection`SELECT pg_advisory_unlock(hashtextextended(${lock}, 0))`
+      }
+      return true
+    } finally {
+      connection.release()
+    }
   }
 
   /**
@@ -171,6 +223,34 @@ export function postgresStore (options: PostgresStoreOptions): PostgresStore {
       return purge(limit)
     },
 
+    loadSteps: (lease) => retrying(() => recovery.loadSteps(lease)),
+    saveStep: (lease, name, resultJson) => retrying(() => recovery.saveStep(lease, name, resultJson)),
+    runStepInTransaction: recovery.runStepInTransaction,
+    hold: (lease) => retrying(() => recovery.hold(lease)),
+    inspect: (id) => retrying(() => recovery.inspect(id)),
+    forceRelease: (id) => retrying(() => recovery.forceRelease(id)),
+
+    reconcile: (options: ReconcileOptions): Promise<ReconcileReport> => reconcileWith(reconcileSource, options, 'postgresStore.reconcile'),
+
+    startReconciler (options: ReconcilerOptions) {
+      return startReconcilerWith(async () => {
+        const report = await reconcileWith(reconcileSource, options, 'postgresStore.reconcile')
+        if (outbox !== null) await outbox.deliverDue(options.limit ?? 100)
+        return report
+      }, options, 'postgresStore.startReconciler', exclusively)
+    },
+
+    enqueue: async (transaction, message) => await requireOutbox().enqueue(transaction, message),
+
+    afterCommit (id: RecordId): void {
+      if (outbox === null || closed) return
+      // Not awaited by the request; close() waits for it. A failure leaves the message due for the worker.
+      const delivery = outbox.deliverFor(id).catch(() => {}).finally(() => { deliveries.delete(delivery) })
+      deliveries.add(delivery)
+    },
+
+    deliverOutbox: async (limit = 100) => await requireOutbox().deliverDue(limit),
+
     async migrate (): Promise<void> {
       await migrate(settings.sql, settings)
     },
@@ -181,6 +261,7 @@ export function postgresStore (options: PostgresStoreOptions): PostgresStore {
       closed = true
       if (timer !== null) clearInterval(timer)
       await purging
+      await Promise.all(deliveries)
     }
   }
 }

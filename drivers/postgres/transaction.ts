@@ -157,7 +157,7 @@ async function claimWithin (
  * autocommit: a handler still writing after a rollback (its client went away) would commit those
  * writes outside any transaction. The handle given to the handler refuses everything once ended.
  */
-function guardTransaction (tx: TransactionSql<any>): { sql: TransactionSql<any>, end: () => void } {
+export function guardTransaction (tx: TransactionSql<any>): { sql: TransactionSql<any>, end: () => void } {
   let ended = false
   const check = (): void => {
     if (ended) {

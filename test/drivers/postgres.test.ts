@@ -198,7 +198,7 @@ function suite (url: string): void {
     })
     const fromMigrate = await describe(migrated)
     t.same(await describe(plain), fromMigrate, 'same columns, types, defaults, collations, indexes and constraints')
-    t.equal((fromMigrate as { columns: unknown[] }).columns.length, 12)
+    t.equal((fromMigrate as { columns: unknown[] }).columns.length, 14)
 
     const store = postgresStore({ sql, schema: plain, purgeInterval: 0 })
     const claim = await store.claim({ scope: 's', key: 'k', fingerprint: A, leaseMs: LONG, ttlMs: LONG })

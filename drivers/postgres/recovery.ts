@@ -1,0 +1,170 @@
+import { randomUUID } from 'node:crypto'
+import type { InspectedRecord } from '../../lib/admin.js'
+import type { ReconcileSource } from '../../lib/reconcile.js'
+import type { Lease, RecordId, StepResults, StoredResponse } from '../../lib/store.js'
+import type { PostgresClient, ResolvedNames } from './options.js'
+import { identifier, type Value } from './statements.js'
+import { guardTransaction } from './transaction.js'
+
+/*
+ * Recovery points, indeterminate failures, the reconciler's statements and the operator tools.
+ * The same rules as statements.ts: one short statement each, database clock, `scope = $1` in every
+ * single-record WHERE (one shard on Citus), fixed prepared texts, writes fenced by the owner token.
+ */
+
+export interface Recovery {
+  loadSteps (lease: Lease): Promise<StepResults | null>
+  saveStep (lease: Lease, name: string, resultJson: string): Promise<boolean>
+  runStepInTransaction (lease: Lease, name: string, fn: (transaction: unknown) => Promise<unknown>, toJson: (value: unknown) => string): Promise<string | null>
+  hold (lease: Lease): Promise<boolean>
+  inspect (id: RecordId): Promise<InspectedRecord | null>
+  forceRelease (id: RecordId): Promise<boolean>
+  /** The reconciler's view of the table; complete/release are the lease-mode statements. */
+  source (complete: ReconcileSource['complete'], release: ReconcileSource['release']): ReconcileSource
+}
+
+/** Thrown inside a step's transaction to roll it back when the lease was lost; never escapes. */
+const LOST = Symbol('lease lost')
+
+type InspectColumns = [
+  state: 'in_progress' | 'completed', algorithm: string, digest: Buffer, indeterminate: boolean, steps: StepResults,
+  createdAt: Date, leaseRemaining: number, expiresIn: number, status: number | null,
+  headers: StoredResponse['headers'] | null, body: Buffer | null
+]
+
+export function createRecovery (sql: PostgresClient, names: ResolvedNames): Recovery {
+  const table = `${identifier(sql, names.schema)}.${identifier(sql, names.table)}`
+  const ms = (n: number): string => `$${n}::float8 * interval '1 millisecond'`
+  const owned = "scope = $1 AND key = $2 AND owner_token = $3::uuid AND state = 'in_progress'"
+
+  const loadStepsText = `SELECT steps FROM ${table} WHERE ${owned}`
+
+  // `steps || $5` adds one name; the NOT clause keeps a recorded step from ever being overwritten.
+  // The step is bound as a one-entry JSON object built by the app (no volatile function in an
+  // UPDATE on Citus; citus-notes 2).
+  const saveStepText = `
+    UPDATE ${table} SET steps = steps || $5::text::jsonb
+    WHERE ${owned} AND NOT (steps ? $4)`
+
+  // The owner's lease ends now and no retry may take the record over: it waits for the reconciler.
+  const holdText = `UPDATE ${table} SET indeterminate = true, lease_expires_at = now() WHERE ${owned}`
+
+  // Candidates for the reconciler (the partial index on lease_expires_at of in-progress records).
+  const findStuckText = `
+    SELECT scope, key, owner_token::text FROM ${table}
+    WHERE state = 'in_progress' AND lease_expires_at <= now() - ${ms(1)} AND expires_at > now()
+    ORDER BY lease_expires_at
+    LIMIT $2::int`
+
+  // The reconciler takes a candidate over like a retry would: pinned to the token it saw and
+  // re-checking that it is still stuck, so it never acts on a record a retry took meanwhile.
+  const acquireText = `
+    UPDATE ${table}
+    SET owner_token = $4::uuid, lease_expires_at = now() + ${ms(6)}, expires_at = greatest(expires_at, now() + ${ms(6)})
+    WHERE ${owned} AND lease_expires_at <= now() - ${ms(5)} AND expires_at > now()
+    RETURNING fingerprint_algorithm, fingerprint, steps, indeterminate, created_at`
+
+  const leaveText = `UPDATE ${table} SET indeterminate = $4::boolean, lease_expires_at = now() WHERE ${owned}`
+
+  const inspectText = `
+    SELECT state, fingerprint_algorithm, fingerprint, indeterminate, steps, created_at,
+      CASE WHEN state = 'in_progress' THEN greatest(0, ceil(extract(epoch FROM lease_expires_at - now()) * 1000)) ELSE 0 END::float8,
+      greatest(0, floor(extract(epoch FROM expires_at - now()) * 1000))::float8,
+      response_status, response_headers, response_body
+    FROM ${table} WHERE scope = $1 AND key = $2 AND expires_at > now()`
+
+  const forceReleaseText = `DELETE FROM ${table} WHERE scope = $1 AND key = $2 AND state = 'in_progress'`
+
+  const run = (text: string, values: Value[]): ReturnType<typeof sql.unsafe> => sql.unsafe(text, values, { prepare: true })
+  const fenced = (lease: Lease): Value[] => [lease.scope, lease.key, lease.token]
+  const stepEntry = (name: string, resultJson: string): string => `{${JSON.stringify(name)}:${resultJson}}`
+
+  return {
+    async loadSteps (lease) {
+      const rows = await run(loadStepsText, fenced(lease)).values()
+      const row = rows[0] as [StepResults] | undefined
+      return row === undefined ? null : row[0]
+    },
+
+    async saveStep (lease, name, resultJson) {
+      const result = await run(saveStepText, [...fenced(lease), name, stepEntry(name, resultJson)])
+      return result.count === 1
+    },
+
+    async runStepInTransaction (lease, name, fn, toJson) {
+      let guard: ReturnType<typeof guardTransaction> | null = null
+      try {
+        return await sql.begin(async (tx) => {
+          guard = guardTransaction(tx)
+          const json = toJson(await fn(guard.sql))
+          // In the step's transaction: the record is written (and the row locked) only if this
+          // lease still owns it, and commits with everything `fn` wrote, or neither does.
+          const saved = await tx.unsafe(saveStepText, [...fenced(lease), name, stepEntry(name, json)], { prepare: true })
+          if (saved.count !== 1) throw LOST
+          return json
+        }) as string
+      } catch (err) {
+        if (err === LOST) return null
+        throw err
+      } finally {
+        (guard as ReturnType<typeof guardTransaction> | null)?.end()
+      }
+    },
+
+    async hold (lease) {
+      const result = await run(holdText, fenced(lease))
+      return result.count === 1
+    },
+
+    async inspect (id) {
+      const rows = await run(inspectText, [id.scope, id.key]).values()
+      const row = rows[0] as InspectColumns | undefined
+      if (row === undefined) return null
+      const [state, algorithm, digest, indeterminate, steps, createdAt, leaseRemaining, expiresIn, status, headers, body] = row
+      return {
+        scope: id.scope,
+        key: id.key,
+        state,
+        fingerprint: { algorithm, digest },
+        indeterminate,
+        steps,
+        createdAt,
+        leaseRemainingMs: leaseRemaining,
+        expiresInMs: expiresIn,
+        response: state === 'completed' && status !== null ? { statusCode: status, headers: headers ?? {}, body } : null
+      }
+    },
+
+    async forceRelease (id) {
+      const result = await run(forceReleaseText, [id.scope, id.key])
+      return result.count === 1
+    },
+
+    source (complete, release) {
+      return {
+        async findStuck (olderThanMs, limit) {
+          const rows = await run(findStuckText, [olderThanMs, limit]).values()
+          return (rows as unknown as Array<[string, string, string]>).map(([scope, key, token]) => ({ scope, key, token }))
+        },
+        async acquire (candidate, olderThanMs, leaseMs) {
+          const token = randomUUID()
+          const rows = await run(acquireText, [candidate.scope, candidate.key, candidate.token, token, olderThanMs, leaseMs]).values()
+          const row = rows[0] as [string, Buffer, StepResults, boolean, Date] | undefined
+          if (row === undefined) return null
+          const [algorithm, digest, steps, indeterminate, createdAt] = row
+          return { lease: { scope: candidate.scope, key: candidate.key, token }, fingerprint: { algorithm, digest }, steps, indeterminate, createdAt }
+        },
+        complete,
+        release,
+        async resume (lease) {
+          const result = await run(leaveText, [...fenced(lease), false])
+          return result.count === 1
+        },
+        async leave (lease, wasIndeterminate) {
+          const result = await run(leaveText, [...fenced(lease), wasIndeterminate])
+          return result.count === 1
+        }
+      }
+    }
+  }
+}

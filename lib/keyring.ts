@@ -1,0 +1,102 @@
+import { createSecretKey, type KeyObject } from 'node:crypto'
+import { InvalidOptionError } from './errors.js'
+
+/** One AES-256 key of the `encryption` option. */
+export interface EncryptionKey {
+  /**
+   * Names the key in every record it seals (stored in clear), so a record can be opened after a
+   * rotation. 1 to 32 characters among `A-Z a-z 0-9 _ -`; never reuse an id for different key bytes.
+   */
+  readonly id: string
+  /** 32 random bytes, e.g. `crypto.randomBytes(32)`, or `Buffer.from(process.env.KEY, 'base64')`. */
+  readonly key: Uint8Array
+}
+
+/**
+ * Encryption at rest of recorded responses (AES-256-GCM). The FIRST key seals new records; every
+ * key opens. To rotate, put the new key first and keep the old ones for one `ttl`, until the
+ * records they sealed have expired.
+ *
+ * @example
+ * await app.register(idempotency, {
+ *   encryption: { keys: [{ id: '2026-12', key: Buffer.from(process.env.IDEM_KEY_2026_12!, 'base64') }] }
+ * })
+ */
+export interface EncryptionOptions {
+  readonly keys: readonly EncryptionKey[]
+}
+
+/** The validated keys: `current` seals, every key in `byId` (current included) opens. */
+export interface Keyring {
+  readonly current: { readonly id: string, readonly key: KeyObject }
+  readonly byId: ReadonlyMap<string, KeyObject>
+}
+
+export const KEY_BYTES = 32
+/** No `.`: the sealed marker uses it as its separator. Bounded: the id is stored with every record. */
+const KEY_ID = /^[A-Za-z0-9_-]{1,32}$/
+const OPTION = 'option "encryption"'
+
+/**
+ * Validates the `encryption` option once, at registration. Errors never show key material (a key
+ * in a log line or a crash report is a leaked key): they describe what was received instead.
+ */
+export function resolveKeyring (value: unknown): Keyring {
+  if (!isPlainObject(value)) throw refuse(OPTION, '{ keys: [{ id, key }, ...] }', value)
+  if (Object.keys(value).some((name) => name !== 'keys')) throw refuse(OPTION, 'an object with the single property "keys"', value)
+  const keys = value.keys
+  if (!Array.isArray(keys) || keys.length === 0) {
+    throw refuse(`${OPTION}.keys`, 'a non-empty array of { id, key } (the first one encrypts)', keys)
+  }
+
+  const byId = new Map<string, KeyObject>()
+  let current: Keyring['current'] | null = null
+  for (const [index, entry] of keys.entries()) {
+    const where = `${OPTION}.keys[${index}]`
+    if (!isPlainObject(entry)) throw refuse(where, 'an object { id, key }', entry)
+    if (Object.keys(entry).some((name) => name !== 'id' && name !== 'key')) throw refuse(where, 'an object with only "id" and "key"', entry)
+    const { id, key } = entry
+    if (typeof id !== 'string' || !KEY_ID.test(id)) {
+      // Described, not shown: a key pasted into the wrong field must not end up in a log.
+      throw refuse(`${where}.id`, '1 to 32 characters among A-Z a-z 0-9 _ -', id)
+    }
+    if (byId.has(id)) throw new InvalidOptionError(`${where}.id`, 'unique among the keys', id)
+    if (!(key instanceof Uint8Array) || key.length !== KEY_BYTES) {
+      throw refuse(`${where}.key`, `a Buffer (or Uint8Array) of exactly ${KEY_BYTES} bytes (AES-256)`, key)
+    }
+    if (key.every((byte) => byte === 0)) {
+      // Buffer.alloc(32) passed by mistake: a key everyone knows.
+      throw refuse(`${where}.key`, `${KEY_BYTES} random bytes, not all zero`, key)
+    }
+    // createSecretKey copies the bytes: zeroing or reusing the caller's Buffer later changes nothing.
+    const secret = createSecretKey(key)
+    byId.set(id, secret)
+    current ??= Object.freeze({ id, key: secret })
+  }
+  return Object.freeze({ current: current as Keyring['current'], byId })
+}
+
+function isPlainObject (value: unknown): value is Record<string, unknown> {
+  return value !== null && typeof value === 'object' && !Array.isArray(value) && !(value instanceof Uint8Array)
+}
+
+/**
+ * An InvalidOptionError whose message and `received` carry a description of the value, never the
+ * value itself: whatever sits in this option may be a key (a Buffer, a hex or base64 string).
+ */
+function refuse (option: string, expectation: string, value: unknown): InvalidOptionError {
+  const received = describeWithoutContent(value)
+  const error = new InvalidOptionError(option, expectation, received)
+  error.message = `fastify-idempotency: ${option} must be ${expectation}; received ${received}`
+  return error
+}
+
+function describeWithoutContent (value: unknown): string {
+  if (value === undefined || value === null || typeof value === 'boolean' || typeof value === 'number') return String(value)
+  if (Buffer.isBuffer(value)) return `a Buffer of ${value.length} bytes`
+  if (value instanceof Uint8Array) return `a ${value.constructor.name} of ${value.length} bytes`
+  if (typeof value === 'string') return `a string of ${value.length} characters`
+  if (Array.isArray(value)) return `an array of ${value.length} items`
+  if (typeof value === 'object') return `an object with properties ${Object.keys(value).join(', ') || '(none)'}`
+  return `a ${typeof value}`
+}

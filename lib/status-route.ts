@@ -1,0 +1,116 @@
+import type { FastifyInstance, FastifyReply, FastifyRequest } from 'fastify'
+import { answer, type Engine } from './engine.js'
+import type { GlobalSettings, StatusRouteSettings } from './options.js'
+import type { StoredRecord } from './store.js'
+import { withTimeout } from './timeout.js'
+
+/** What the status route answers (200, `application/json`) for a key the caller has a record of. */
+export type IdempotencyKeyStatus =
+  | { readonly state: 'in_progress' }
+  | {
+    readonly state: 'completed'
+    readonly response: {
+      /** The recorded HTTP status. */
+      readonly status: number
+      /** `includeBody` only: the recorded replayable headers. */
+      readonly headers?: Readonly<Record<string, string | string[]>>
+      /**
+       * `includeBody` only: the recorded body, `null` when it exceeded `maxResponseBytes`. A JSON body
+       * (`application/json`, `+json`) is embedded as it was sent; anything else is base64.
+       */
+      readonly body?: { readonly encoding: 'json', readonly value: unknown } | { readonly encoding: 'base64', readonly value: string } | null
+    }
+  }
+
+const IN_PROGRESS = '{"state":"in_progress"}'
+const JSON_MEDIA_TYPE = /^application\/(?:[a-z0-9!#$&^_.+-]*\+)?json[\t ]*(?:;|$)/i
+const UTF8 = new TextDecoder('utf-8', { fatal: true, ignoreBOM: true })
+
+/**
+ * `GET <url>`: the caller's own key, read with `store.get` (never a claim, so asking cannot start,
+ * block or take over an operation). The key is looked up in the caller's scope only, so another
+ * principal's key gets the very answer an unknown key gets (draft §5). Declared on the instance the
+ * plugin is registered on (fastify-plugin), so it gets that instance's hooks, including those added
+ * after the registration: Fastify binds a route's hooks when the instance becomes ready.
+ */
+export function registerStatusRoute (fastify: FastifyInstance, engine: Engine, global: GlobalSettings, route: StatusRouteSettings): void {
+  const settings = global.route
+  async function idempotencyKeyStatus (request: FastifyRequest, reply: FastifyReply): Promise<FastifyReply> {
+    const key = (request.params as { key?: string }).key ?? ''
+    const invalid = invalidKey(key, settings.maxKeyLength)
+    if (invalid !== null) return answer(engine, null, reply, { kind: 'key-invalid', detail: invalid })
+
+    const scope = settings.scope === null ? '' : await settings.scope(request)
+    if (typeof scope !== 'string') {
+      throw new TypeError(`fastify-idempotency: the scope function must return a string; it returned ${scope === null ? 'null' : typeof scope}`)
+    }
+    let record: StoredRecord | null
+    try {
+      record = await withTimeout('get', settings.storeTimeout, () => engine.store.get({ scope, key }))
+    } catch (err) {
+      // Nothing runs on this route, so `onStoreError: 'bypass'` has nothing to bypass: always 503.
+      request.log.error({ idempotency: { outcome: 'store_error', scope }, err }, 'idempotency: store failed on a key status lookup; answering 503')
+      return answer(engine, null, reply, { kind: 'store-unavailable', retryAfter: settings.retryAfter })
+    }
+    if (record === null) return answer(engine, null, reply, { kind: 'key-unknown' })
+    reply.header('content-type', 'application/json; charset=utf-8')
+    // The state changes from one moment to the next and is one principal's business (RFC 9111 §5.2.2.5).
+    reply.header('cache-control', 'no-store')
+    return reply.send(statusBody(record, route.includeBody))
+  }
+
+  fastify.route({
+    method: 'GET',
+    url: route.url,
+    // The route reads: it must never be protected itself, whatever `methods` holds.
+    config: { idempotency: false },
+    handler: idempotencyKeyStatus
+  })
+}
+
+/**
+ * The path segment holds the key's value (what `request.idempotency.key` holds), percent-decoded
+ * by the router. Every key a claim can accept is printable ASCII, of at most `maxKeyLength`.
+ */
+function invalidKey (key: string, maxLength: number): string | null {
+  if (key.length === 0) return 'The Idempotency-Key must not be empty.'
+  if (key.length > maxLength) return `The Idempotency-Key must be at most ${maxLength} characters long.`
+  for (let i = 0; i < key.length; i++) {
+    const c = key.charCodeAt(i)
+    if (c < 0x20 || c > 0x7e) return 'The Idempotency-Key must be printable ASCII (percent-encode it in the path).'
+  }
+  return null
+}
+
+function statusBody (record: StoredRecord, includeBody: boolean): string {
+  if (record.state === 'in_progress') return IN_PROGRESS
+  const { statusCode, headers, body } = record.response
+  if (!includeBody) return `{"state":"completed","response":{"status":${statusCode}}}`
+  const contentType = headers['content-type']
+  return `{"state":"completed","response":{"status":${statusCode},"headers":${JSON.stringify(headers)},` +
+    `"body":${bodyMember(body, Array.isArray(contentType) ? contentType[0] : contentType)}}}`
+}
+
+/**
+ * A JSON body is embedded verbatim, so the client reads the very bytes the original answer held
+ * (numbers beyond double precision included); it must be UTF-8 (RFC 8259 §8.1) and one JSON value,
+ * else (and for every other type) the bytes are sent as base64.
+ */
+function bodyMember (body: Buffer | null, contentType: string | undefined): string {
+  if (body === null) return 'null'
+  if (contentType !== undefined && JSON_MEDIA_TYPE.test(contentType)) {
+    const text = jsonText(body)
+    if (text !== null) return `{"encoding":"json","value":${text}}`
+  }
+  return `{"encoding":"base64","value":"${body.toString('base64')}"}`
+}
+
+function jsonText (body: Buffer): string | null {
+  try {
+    const text = UTF8.decode(body)
+    JSON.parse(text)
+    return text
+  } catch {
+    return null
+  }
+}

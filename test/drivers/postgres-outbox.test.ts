@@ -1,0 +1,179 @@
+import { randomBytes } from 'node:crypto'
+import Fastify from 'fastify'
+import postgres from 'postgres'
+import t, { type Test } from 'tap'
+import idempotency, { InvalidOptionError, type RouteIdempotencyOptions } from '../../lib/index.js'
+import { deriveKey } from '../../lib/derive.js'
+import { postgresStore, type OutboxMessage, type PostgresStore, type PostgresStoreOptions } from '../../drivers/postgres/index.js'
+
+/**
+ * The transactional outbox: a message exists exactly when the transaction that enqueued it
+ * committed, is delivered after the commit with its derived key, retried with backoff when delivery
+ * fails, and purged once delivered and past its retention. (Across a real crash:
+ * test/drivers/postgres-crash.test.ts.)
+ */
+
+const DATABASE_URL = process.env.DATABASE_URL
+if (DATABASE_URL === undefined || DATABASE_URL === '') {
+  t.fail('DATABASE_URL is not set: run `node scripts/test.mjs test/drivers/postgres-outbox.test.ts` (it starts a throwaway PostgreSQL)')
+} else {
+  suite(DATABASE_URL)
+}
+
+const sleep = (ms: number): Promise<void> => new Promise((resolve) => setTimeout(resolve, ms))
+
+function suite (url: string): void {
+  const schema = `idem_outbox_${randomBytes(4).toString('hex')}`
+  const sql = postgres(url, { max: 10, onnotice: () => {} })
+  let tables = 0
+
+  t.before(async () => { await sql`CREATE SCHEMA ${sql(schema)}` })
+  t.teardown(async () => {
+    await sql`DROP SCHEMA IF EXISTS ${sql(schema)} CASCADE`
+    await sql.end({ timeout: 1 })
+  })
+
+  interface World {
+    store: PostgresStore
+    table: string
+    delivered: OutboxMessage[]
+    failNext: number
+    post: (key: string, url?: string) => Promise<{ statusCode: number, body: string }>
+    outboxRows: () => Promise<Array<{ key: string, name: string, delivered_at: Date | null, attempts: number, last_error: string | null }>>
+    until: (what: string, check: () => boolean) => Promise<void>
+  }
+
+  async function world (t: Test, route: RouteIdempotencyOptions, options: Partial<PostgresStoreOptions> = {}): Promise<World> {
+    const table = `records_${++tables}`
+    const w = { delivered: [] as OutboxMessage[], failNext: 0 } as World
+    const store = postgresStore({
+      sql,
+      schema,
+      table,
+      purgeInterval: 0,
+      outbox: {
+        retryDelay: 50,
+        visibility: 200,
+        deliver (message) {
+          if (w.failNext > 0) { w.failNext--; throw new Error('broker unavailable') }
+          w.delivered.push(message)
+        }
+      },
+      ...options
+    })
+    await store.migrate()
+    t.teardown(() => store.close())
+    const app = Fastify()
+    t.teardown(() => app.close())
+    await app.register(idempotency, { store, scope: () => 'acct_a', lease: 1000, ...route })
+    app.post('/atomic', async (request) => {
+      await request.idempotency?.enqueue({ name: 'receipt', topic: 'email', payload: { to: 'a@example.com' } })
+      await request.idempotency?.enqueue({ name: 'receipt', topic: 'email', payload: { to: 'IGNORED: same name' } })
+      await request.idempotency?.enqueue({ name: 'ledger', topic: 'kafka', payload: [1, 2] })
+      return { ok: true }
+    })
+    app.post('/atomic-fails', async (request) => {
+      await request.idempotency?.enqueue({ name: 'receipt', topic: 'email', payload: {} })
+      throw new Error('after enqueue')
+    })
+    app.post('/lease', async (request) => {
+      const context = request.idempotency
+      if (context === null) throw new Error('unprotected')
+      await context.step('receipt', async (tx) => { await context.enqueue({ name: 'receipt', topic: 'email', payload: { n: 1 } }, tx) }, { transaction: true })
+      return { ok: true }
+    })
+    app.post('/lease-no-tx', async (request) => {
+      await request.idempotency?.enqueue({ name: 'receipt', topic: 'email', payload: {} })
+      return { ok: true }
+    })
+    w.store = store
+    w.table = table
+    w.post = async (key, path = '/atomic') => {
+      const response = await app.inject({ method: 'POST', url: path, headers: { 'idempotency-key': `"${key}"` } })
+      return { statusCode: response.statusCode, body: response.body }
+    }
+    w.outboxRows = async () => await sql`SELECT key, name, delivered_at, attempts, last_error FROM ${sql(schema)}.${sql(`${table}_outbox`)} ORDER BY key, name`
+    w.until = async (what, check) => {
+      const deadline = Date.now() + 5000
+      while (!check()) {
+        if (Date.now() > deadline) { t.fail(`timed out waiting for ${what}`); return }
+        await sleep(10)
+      }
+    }
+    return w
+  }
+
+  t.test('atomic mode: messages commit with the request and are delivered once, after the commit, with their derived keys', async (t) => {
+    const w = await world(t, { transaction: true })
+    t.equal((await w.post('o1')).statusCode, 200)
+    await w.until('two deliveries', () => w.delivered.length === 2)
+    t.same(w.delivered.map((m) => [m.name, m.topic, m.payload, m.deliveryKey, m.attempt]).sort(), [
+      ['ledger', 'kafka', [1, 2], deriveKey('acct_a', 'o1', 'ledger'), 1],
+      ['receipt', 'email', { to: 'a@example.com' }, deriveKey('acct_a', 'o1', 'receipt'), 1]
+    ], 'the second enqueue of a name was a no-op')
+    const rows = await w.outboxRows()
+    t.ok(rows.every((row) => row.delivered_at instanceof Date), 'marked delivered')
+    t.equal((await w.post('o1')).statusCode, 200, 'a replay')
+    t.same(await w.store.deliverOutbox(), { delivered: 0, failed: 0 }, 'nothing left for the worker')
+    t.equal(w.delivered.length, 2, 'a replay enqueues nothing')
+  })
+
+  t.test('atomic mode: a handler that fails after enqueueing rolls the message back: never delivered', async (t) => {
+    const w = await world(t, { transaction: true })
+    t.equal((await w.post('f1', '/atomic-fails')).statusCode, 500)
+    await sleep(50)
+    t.same(await w.outboxRows(), [])
+    t.same(await w.store.deliverOutbox(), { delivered: 0, failed: 0 })
+    t.equal(w.delivered.length, 0)
+  })
+
+  t.test('lease mode: enqueue through a transactional step; without one it is refused', async (t) => {
+    const w = await world(t, {})
+    t.equal((await w.post('l1', '/lease')).statusCode, 200)
+    await w.until('a delivery', () => w.delivered.length === 1)
+    t.equal(w.delivered[0]?.deliveryKey, deriveKey('acct_a', 'l1', 'receipt'))
+    t.equal((await w.post('l2', '/lease-no-tx')).statusCode, 500)
+    t.same((await w.outboxRows()).map((row) => row.key), ['l1'])
+  })
+
+  t.test('a failed delivery is retried with backoff by the worker, then delivered once', async (t) => {
+    const w = await world(t, { transaction: true })
+    w.failNext = 3
+    await w.post('r1')
+    await w.until('the first attempts to fail', () => w.failNext === 1)
+    const failed = await w.outboxRows()
+    t.ok(failed.every((row) => row.delivered_at === null && row.last_error === 'broker unavailable' && row.attempts === 1))
+    let report = await w.store.deliverOutbox()
+    t.same(report, { delivered: 0, failed: 0 }, 'not due yet: the backoff')
+    await sleep(120)
+    report = await w.store.deliverOutbox()
+    t.same(report, { delivered: 1, failed: 1 }, 'one more failure, one delivery')
+    await sleep(250)
+    report = await w.store.deliverOutbox()
+    t.same(report, { delivered: 1, failed: 0 })
+    // Both were enqueued by one transaction (same created_at): which one failed twice is not fixed.
+    t.same(w.delivered.map((m) => m.name).sort(), ['ledger', 'receipt'], 'each delivered once')
+    t.same(w.delivered.map((m) => m.attempt).sort(), [2, 3], 'on their second and third attempts')
+    t.ok((await w.outboxRows()).every((row) => row.delivered_at instanceof Date && row.last_error === null))
+  })
+
+  t.test('delivered messages are purged after their retention; undelivered ones never are', async (t) => {
+    const w = await world(t, { transaction: true }, { outbox: { retention: 0, deliver: () => { throw new Error('down') } } })
+    await w.post('p1')
+    await sleep(50)
+    await sql`UPDATE ${sql(schema)}.${sql(`${w.table}_outbox`)} SET delivered_at = now() WHERE name = 'receipt'`
+    await sleep(5)
+    await w.store.purgeExpired()
+    t.same((await w.outboxRows()).map((row) => row.name), ['ledger'])
+  })
+
+  t.test('options and misuse', async (t) => {
+    t.throws(() => postgresStore({ sql, outbox: {} as never }), InvalidOptionError)
+    t.throws(() => postgresStore({ sql, outbox: { deliver: () => {}, retryDelay: 0 } }), { message: /outbox\.retryDelay/ })
+    const plain = postgresStore({ sql, schema, table: 'records_plain', purgeInterval: 0 })
+    await plain.migrate()
+    await t.rejects(plain.deliverOutbox(), { message: /no outbox/ })
+    await t.rejects(plain.enqueue(sql, { scope: 's', key: 'k', name: 'n', topic: 't', payload: 1 }), { message: /no outbox/ })
+    await plain.close()
+  })
+}
