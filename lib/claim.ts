@@ -1,6 +1,7 @@
 import type { FastifyReply, FastifyRequest } from 'fastify'
 import type { IdempotencyContext, RequestState } from './context.js'
-import { answer, decision, type Engine } from './engine.js'
+import { answer, type Engine } from './engine.js'
+import { observe } from './observe.js'
 import {
   canonicalFingerprint, customFingerprint, finishRawHash, fingerprintsEqual, startRawHash
 } from './fingerprint.js'
@@ -73,14 +74,14 @@ export async function claimKey (engine: Engine, request: FastifyRequest, reply: 
     // Draft §2.7: a key reused with a different request is a client error whatever the state of the
     // original, so 422 is checked before 409 (the client must correct the request either way).
     if (!fingerprintsEqual(held.fingerprint, fingerprint)) {
-      state.log.info(decision(state, 'mismatch'), 'idempotency: key reused with a different request')
+      observe(engine.metrics, state, 'mismatch', 'info', 'idempotency: key reused with a different request')
       return answer(engine, state, reply, { kind: 'key-reused' })
     }
     if (held.outcome === 'completed') return replay(engine, reply, state, held.response)
 
     const remaining = deadline - Date.now()
     if (remaining <= 0) {
-      state.log.info(decision(state, 'conflict'), 'idempotency: original request still in progress')
+      observe(engine.metrics, state, 'conflict', 'info', 'idempotency: original request still in progress')
       return answer(engine, state, reply, { kind: 'request-in-progress', retryAfter: settings.retryAfter })
     }
     await engine.waiters.wait(localId(scope, state.key), Math.min(poll, remaining))
@@ -92,8 +93,8 @@ export async function claimKey (engine: Engine, request: FastifyRequest, reply: 
 function becomeOwner (engine: Engine, reply: FastifyReply, state: RequestState, result: ClaimAcquired): void {
   state.lease = result.lease
   state.phase = 'owner'
-  if (result.takeover) state.log.warn(decision(state, 'taken_over'), 'idempotency: took over an abandoned in-progress key')
-  else state.log.debug(decision(state, 'executed'), 'idempotency: key claimed')
+  if (result.takeover) observe(engine.metrics, state, 'taken_over', 'warn', 'idempotency: took over an abandoned in-progress key')
+  else observe(engine.metrics, state, 'executed', 'debug', 'idempotency: key claimed')
   const context = state.context as RequestContext
   markInFlight(engine, state, context.fingerprint)
   if (result.transaction !== undefined) {
@@ -114,8 +115,8 @@ function releaseLate (engine: Engine, state: RequestState) {
   return (result: ClaimResult): void => {
     if (result.outcome !== 'acquired') return
     engine.store.release(result.lease).then(
-      () => state.log.warn(decision(state, 'released'), 'idempotency: released a claim that landed after storeTimeout'),
-      (err: unknown) => state.log.error({ ...decision(state, 'store_error'), err }, 'idempotency: could not release a late claim; it frees itself when its lease expires')
+      () => observe(engine.metrics, state, 'released', 'warn', 'idempotency: released a claim that landed after storeTimeout'),
+      (err: unknown) => observe(engine.metrics, state, 'store_error', 'error', 'idempotency: could not release a late claim; it frees itself when its lease expires', err)
     )
   }
 }
@@ -147,12 +148,12 @@ async function fingerprintOf (request: FastifyRequest, state: RequestState): Pro
 /** Answers from the record (draft §2.6): the original status, replayable headers and body bytes. */
 function replay (engine: Engine, reply: FastifyReply, state: RequestState, response: StoredResponse): FastifyReply {
   if (response.body === null) {
-    state.log.info(decision(state, 'not_retained'), 'idempotency: completed key whose response was not retained')
+    observe(engine.metrics, state, 'not_retained', 'info', 'idempotency: completed key whose response was not retained')
     return answer(engine, state, reply, { kind: 'response-not-retained', extensions: { originalStatus: response.statusCode } })
   }
   state.phase = 'replayed'
   if (state.context !== null) state.context.replayed = true
-  state.log.debug(decision(state, 'replayed'), 'idempotency: replayed the recorded response')
+  observe(engine.metrics, state, 'replayed', 'debug', 'idempotency: replayed the recorded response')
   reply.code(response.statusCode)
   const headers = response.headers
   for (const name in headers) reply.header(name, headers[name])
@@ -168,9 +169,9 @@ function storeFailed (engine: Engine, request: FastifyRequest, reply: FastifyRep
   if (state.settings.onStoreError === 'bypass' && !(err instanceof SealedResponseError)) {
     state.phase = 'unprotected'
     request.idempotency = null
-    state.log.error({ ...decision(state, 'store_error'), err }, 'idempotency: store failed; running the handler WITHOUT idempotency protection (onStoreError: bypass)')
+    observe(engine.metrics, state, 'bypassed', 'error', 'idempotency: store failed; running the handler WITHOUT idempotency protection (onStoreError: bypass)', err)
     return undefined
   }
-  state.log.error({ ...decision(state, 'store_error'), err }, 'idempotency: store failed; answering 503')
+  observe(engine.metrics, state, 'store_error', 'error', 'idempotency: store failed; answering 503', err)
   return answer(engine, state, reply, { kind: 'store-unavailable', retryAfter: state.settings.retryAfter })
 }

@@ -89,11 +89,17 @@ export class RequestState {
   /** The last step() call, so the next one runs after it settles (steps run in order). */
   stepChain: Promise<unknown> = Promise.resolve()
 
+  readonly log: FastifyBaseLogger
+  /** performance.now() when the request reached the plugin: decision latencies are measured from it. */
+  readonly startedAt = performance.now()
+
   constructor (
     readonly key: string,
     readonly settings: RouteSettings,
-    readonly log: FastifyBaseLogger
-  ) {}
+    readonly request: FastifyRequest
+  ) {
+    this.log = request.log
+  }
 }
 
 export type StatefulRequest = FastifyRequest & { [kState]: RequestState | null }

@@ -6,6 +6,7 @@ import { kState, RequestState, stateOf, type StatefulRequest } from './context.j
 import { answer, type Engine } from './engine.js'
 import { hashingStream, startRawHash } from './fingerprint.js'
 import { parseKey } from './key.js'
+import { observe } from './observe.js'
 import type { RouteSettings } from './options.js'
 import { abandon, releaseUnsent, settleOwner } from './settle.js'
 
@@ -28,11 +29,12 @@ export function routeHooks (engine: Engine, settings: RouteSettings, methods: Re
     if (methods !== null && !methods.has(request.method)) return done()
     const parsed = parseKey(request.headers['idempotency-key'], request.raw.rawHeaders, settings.keyFormat, settings.maxKeyLength)
     if (parsed.ok) {
-      (request as StatefulRequest)[kState] = new RequestState(parsed.key, settings, request.log)
+      (request as StatefulRequest)[kState] = new RequestState(parsed.key, settings, request)
       return done()
     }
     if (parsed.reason === 'missing' && !settings.required) return done()
-    request.log.info({ idempotency: { outcome: parsed.reason === 'missing' ? 'key_missing' : 'key_invalid' } }, 'idempotency: request refused')
+    const refused = { key: '', scope: '', log: request.log, request, startedAt: performance.now() }
+    observe(engine.metrics, refused, parsed.reason === 'missing' ? 'key_missing' : 'key_invalid', 'info', 'idempotency: request refused')
     // Answered from the hook: not calling done() ends the lifecycle here (the handler never runs).
     answer(engine, null, reply, parsed.reason === 'missing'
       ? { kind: 'key-missing' }

@@ -1,5 +1,6 @@
 import type { RequestState } from './context.js'
-import { decision, type Engine } from './engine.js'
+import type { Engine } from './engine.js'
+import { observe } from './observe.js'
 import { withTimeout } from './timeout.js'
 
 /**
@@ -23,11 +24,11 @@ async function renew (engine: Engine, state: RequestState): Promise<boolean> {
   if (lease === null || state.phase !== 'owner') return false
   try {
     const owned = await withTimeout('renew', state.settings.storeTimeout, () => engine.store.renew(lease, state.settings.lease))
-    if (!owned) state.log.warn(decision(state, 'lease_lost'), 'idempotency: lease lost to another attempt; this response will not be recorded')
+    if (!owned) observe(engine.metrics, state, 'lease_lost', 'warn', 'idempotency: lease lost to another attempt; this response will not be recorded')
     return owned
   } catch (err) {
     // Keep trying: a store blip must not hand a running handler's key to a retry.
-    state.log.warn({ ...decision(state, 'store_error'), err }, 'idempotency: lease renewal failed')
+    observe(engine.metrics, state, 'store_error', 'warn', 'idempotency: lease renewal failed', err)
     return true
   }
 }

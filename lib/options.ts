@@ -4,6 +4,7 @@ import type { FingerprintFunction, FingerprintOption } from './fingerprint.js'
 import { DEFAULT_REPLAY_HEADERS, NEVER_REPLAYED } from './headers.js'
 import type { KeyFormat } from './key.js'
 import { resolveKeyring, type EncryptionOptions, type Keyring } from './keyring.js'
+import { createMetrics, type MeterLike, type Metrics } from './observe.js'
 import { PROFILE_NAMES, type ProfileName } from './profiles.js'
 import { integerOption, MAX_TIMER_MS } from './validate.js'
 import type { IdempotencyPrefilter } from './prefilter.js'
@@ -84,6 +85,13 @@ export interface IdempotencyOptions extends RouteIdempotencyOptions {
    * key opens. Registration only. @defaultValue none (responses are stored in clear)
    */
   encryption?: EncryptionOptions
+  /**
+   * An OpenTelemetry-compatible Meter (`metrics.getMeter('fastify-idempotency')`, or anything with
+   * createCounter / createHistogram): every decision adds to the counter `idempotency.decisions` and
+   * the histogram `idempotency.decision.duration` (ms), with attributes outcome, method and route.
+   * @defaultValue none
+   */
+  metrics?: MeterLike
 }
 
 export interface StatusRouteOptions {
@@ -131,6 +139,7 @@ export interface GlobalSettings {
   readonly openapi: boolean
   /** Keys sealing recorded responses, or null. */
   readonly encryption: Keyring | null
+  readonly metrics: Metrics | null
   readonly route: RouteSettings
 }
 
@@ -138,7 +147,7 @@ const ROUTE_OPTION_NAMES = [
   'scope', 'required', 'ttl', 'lease', 'wait', 'maxKeyLength', 'keyFormat', 'fingerprint', 'record',
   'maxResponseBytes', 'replayHeaders', 'onStoreError', 'storeTimeout', 'retryAfter', 'transaction'
 ] as const
-const GLOBAL_OPTION_NAMES = new Set<string>([...ROUTE_OPTION_NAMES, 'store', 'prefilter', 'methods', 'problemTypeBase', 'docsUrl', 'encryption', 'statusRoute', 'profile', 'openapi'])
+const GLOBAL_OPTION_NAMES = new Set<string>([...ROUTE_OPTION_NAMES, 'store', 'prefilter', 'methods', 'problemTypeBase', 'docsUrl', 'encryption', 'statusRoute', 'profile', 'openapi', 'metrics'])
 const ROUTE_ONLY = new Set<string>(ROUTE_OPTION_NAMES)
 
 const HTTP_METHODS = new Set(['DELETE', 'GET', 'HEAD', 'PATCH', 'POST', 'PUT', 'OPTIONS', 'PROPFIND', 'PROPPATCH',
@@ -192,6 +201,7 @@ export function resolveGlobalOptions (options: IdempotencyOptions): GlobalSettin
     docsUrl,
     openapi: options.openapi === undefined ? true : bool('option "openapi"', options.openapi),
     encryption: options.encryption === undefined ? null : resolveKeyring(options.encryption),
+    metrics: createMetrics(options.metrics),
     route: mergeRouteOptions(DEFAULT_ROUTE, options, 'option')
   })
 }

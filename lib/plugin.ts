@@ -39,7 +39,8 @@ export const idempotencyPlugin: FastifyPluginCallback<IdempotencyOptions> = func
     prefilter: atRest.prefilter,
     waiters: new Waiters(),
     problems: buildProblemBodies(problemOptions),
-    problemOptions
+    problemOptions,
+    metrics: global.metrics
   }
 
   if (global.route.scope === null) {

@@ -1,5 +1,6 @@
 import type { RequestState } from './context.js'
-import { decision, type Engine } from './engine.js'
+import type { Engine } from './engine.js'
+import { observe } from './observe.js'
 import type { PrefilterHit } from './prefilter.js'
 import type { Fingerprint, StoredResponse } from './store.js'
 
@@ -19,7 +20,7 @@ export async function consultPrefilter (engine: Engine, state: RequestState): Pr
   try {
     return await prefilter.lookup({ scope: state.scope, key: state.key })
   } catch (err) {
-    state.log.warn({ ...decision(state, 'prefilter_error'), err }, 'idempotency: pre-filter lookup failed; asking the store')
+    observe(engine.metrics, state, 'prefilter_error', 'warn', 'idempotency: pre-filter lookup failed; asking the store', err)
     return null
   }
 }
@@ -28,7 +29,7 @@ export function markInFlight (engine: Engine, state: RequestState, fingerprint: 
   const prefilter = engine.prefilter
   if (prefilter === null) return
   prefilter.markInFlight({ scope: state.scope, key: state.key }, fingerprint, state.settings.lease)
-    .catch((err: unknown) => { state.log.warn({ ...decision(state, 'prefilter_error'), err }, 'idempotency: pre-filter in-flight marker not set') })
+    .catch((err: unknown) => { observe(engine.metrics, state, 'prefilter_error', 'warn', 'idempotency: pre-filter in-flight marker not set', err) })
 }
 
 /**
@@ -41,12 +42,12 @@ export function rememberCompleted (engine: Engine, state: RequestState, fingerpr
   const ttl = retentionMs - (Date.now() - since) - RETENTION_MARGIN_MS
   if (ttl <= 0) return
   prefilter.remember({ scope: state.scope, key: state.key }, fingerprint, response, ttl)
-    .catch((err: unknown) => { state.log.warn({ ...decision(state, 'prefilter_error'), err }, 'idempotency: pre-filter copy of the record not written') })
+    .catch((err: unknown) => { observe(engine.metrics, state, 'prefilter_error', 'warn', 'idempotency: pre-filter copy of the record not written', err) })
 }
 
 export function clearInFlight (engine: Engine, state: RequestState): void {
   const prefilter = engine.prefilter
   if (prefilter === null) return
   prefilter.clearInFlight({ scope: state.scope, key: state.key })
-    .catch((err: unknown) => { state.log.warn({ ...decision(state, 'prefilter_error'), err }, 'idempotency: pre-filter in-flight marker not cleared') })
+    .catch((err: unknown) => { observe(engine.metrics, state, 'prefilter_error', 'warn', 'idempotency: pre-filter in-flight marker not cleared', err) })
 }

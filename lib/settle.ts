@@ -1,7 +1,8 @@
 import type { FastifyReply } from 'fastify'
 import { captureStream, classifyPayload, type CapturedPayload } from './capture.js'
 import type { RequestState } from './context.js'
-import { decision, type Engine } from './engine.js'
+import type { Engine } from './engine.js'
+import { observe } from './observe.js'
 import { pickReplayHeaders } from './headers.js'
 import { stopRenewal } from './lease.js'
 import { clearInFlight, rememberCompleted } from './prefiltering.js'
@@ -64,7 +65,7 @@ export async function settleOwner (engine: Engine, reply: FastifyReply, state: R
 export async function releaseUnsent (engine: Engine, state: RequestState): Promise<void> {
   state.phase = 'settling'
   stopRenewal(state)
-  state.log.warn(decision(state, 'not_recorded'), 'idempotency: the response bypassed onSend (reply.hijack() or a raw write), so it cannot be recorded')
+  observe(engine.metrics, state, 'not_recorded', 'warn', 'idempotency: the response bypassed onSend (reply.hijack() or a raw write), so it cannot be recorded')
   await giveUp(engine, state, state.lease as Lease, 'the response was not sent through Fastify')
 }
 
@@ -112,11 +113,11 @@ async function commitThenSend (
     const since = Date.now()
     const committed = await withTimeout('complete', state.settings.storeTimeout, () => engine.store.complete(lease, response, state.settings.ttl))
     if (!committed) throw new Error('the transaction no longer owned the record')
-    state.log.debug(decision(state, 'recorded'), 'idempotency: response recorded and transaction committed')
+    observe(engine.metrics, state, 'recorded', 'debug', 'idempotency: response recorded and transaction committed')
     deliverEnqueued(engine, state)
     if (state.context !== null) rememberCompleted(engine, state, state.context.fingerprint, response, state.settings.ttl, since)
   } catch (err) {
-    state.log.error({ ...decision(state, 'store_error'), err }, 'idempotency: the transaction could not be committed; answering 500')
+    observe(engine.metrics, state, 'store_error', 'error', 'idempotency: the transaction could not be committed; answering 500', err)
     clearInFlight(engine, state)
     done(engine, state)
     return notCommitted(engine, reply)
@@ -136,17 +137,17 @@ async function record (engine: Engine, state: RequestState, lease: Lease, respon
       const since = Date.now()
       const completed = await withTimeout('complete', state.settings.storeTimeout, () => engine.store.complete(lease, response, state.settings.ttl))
       if (completed) {
-        state.log.debug(decision(state, 'recorded'), 'idempotency: response recorded')
+        observe(engine.metrics, state, 'recorded', 'debug', 'idempotency: response recorded')
         if (state.context !== null) rememberCompleted(engine, state, state.context.fingerprint, response, state.settings.ttl, since)
       } else {
-        state.log.warn(decision(state, 'lease_lost'), 'idempotency: the key was taken over while this request ran; its response was not recorded')
+        observe(engine.metrics, state, 'lease_lost', 'warn', 'idempotency: the key was taken over while this request ran; its response was not recorded')
       }
       break
     } catch (err) {
       const delay = COMPLETE_RETRY_DELAYS_MS[attempt]
       if (delay === undefined) {
         // The client still gets the true outcome; the key stays in progress until its lease lapses.
-        state.log.error({ ...decision(state, 'store_error'), err }, 'idempotency: could not record the response; the key will be retried after its lease expires')
+        observe(engine.metrics, state, 'store_error', 'error', 'idempotency: could not record the response; the key will be retried after its lease expires', err)
         break
       }
       await new Promise((resolve) => setTimeout(resolve, delay))
@@ -171,11 +172,11 @@ async function giveUp (engine: Engine, state: RequestState, lease: Lease, reason
   try {
     if (store.hold === undefined) throw new TypeError('the store cannot hold a record for reconciliation (it has no hold())')
     const held = await withTimeout('hold', state.settings.storeTimeout, () => (store.hold as NonNullable<typeof store.hold>)(lease))
-    if (held) state.log.warn(decision(state, 'held'), `idempotency: indeterminate failure (${reason}); key held in progress for reconciliation`)
-    else state.log.warn(decision(state, 'lease_lost'), `idempotency: indeterminate failure (${reason}), but the key was taken over meanwhile`)
+    if (held) observe(engine.metrics, state, 'held', 'warn', `idempotency: indeterminate failure (${reason}); key held in progress for reconciliation`)
+    else observe(engine.metrics, state, 'lease_lost', 'warn', `idempotency: indeterminate failure (${reason}), but the key was taken over meanwhile`)
   } catch (err) {
     // The record keeps its steps; its lease lapses and a retry takes it over and continues from them.
-    state.log.error({ ...decision(state, 'store_error'), err }, `idempotency: could not hold the key after an indeterminate failure (${reason}); it is taken over by a retry once its lease lapses`)
+    observe(engine.metrics, state, 'store_error', 'error', `idempotency: could not hold the key after an indeterminate failure (${reason}); it is taken over by a retry once its lease lapses`, err)
   }
   done(engine, state)
 }
@@ -184,9 +185,9 @@ async function release (engine: Engine, state: RequestState, lease: Lease, reaso
   clearInFlight(engine, state)
   try {
     await withTimeout('release', state.settings.storeTimeout, () => engine.store.release(lease))
-    state.log.debug(decision(state, 'released'), `idempotency: key released (${reason})`)
+    observe(engine.metrics, state, 'released', 'debug', `idempotency: key released (${reason})`)
   } catch (err) {
-    state.log.error({ ...decision(state, 'store_error'), err }, `idempotency: could not release the key (${reason}); it frees itself when its lease expires`)
+    observe(engine.metrics, state, 'store_error', 'error', `idempotency: could not release the key (${reason}); it frees itself when its lease expires`, err)
   }
   done(engine, state)
 }
