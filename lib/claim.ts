@@ -8,11 +8,15 @@ import {
 import { SealedResponseError } from './encryption.js'
 import { renewWhileRunning } from './lease.js'
 import { RequestContext } from './recovery.js'
+import { isReference, sendRebuilt } from './reference.js'
 import { consultPrefilter, markInFlight, rememberCompleted } from './prefiltering.js'
 import { abandon } from './settle.js'
 import type { ClaimAcquired, ClaimCompleted, ClaimInProgress, ClaimRequest, ClaimResult, Fingerprint, StoredResponse } from './store.js'
 import { withTimeout } from './timeout.js'
 import { localId } from './waiters.js'
+
+/** A lone surrogate (\p{Cs} in a u-mode pattern matches only unpaired ones) or NUL. */
+const MALFORMED_SCOPE = /[\p{Cs}\0]/u
 
 /** Polling of a store for an in-flight original owned by another process: 10 ms, doubling to 250 ms. */
 const FIRST_POLL_MS = 10
@@ -28,6 +32,12 @@ export async function claimKey (engine: Engine, request: FastifyRequest, reply: 
   const scope = settings.scope === null ? '' : await settings.scope(request)
   if (typeof scope !== 'string') {
     throw new TypeError(`fastify-idempotency: the scope function must return a string; it returned ${scope === null ? 'null' : typeof scope}`)
+  }
+  // A lone surrogate has no UTF-8 form: a driver that stores text as UTF-8 (Postgres) would turn
+  // '\ud800' and '\udbff' into the same U+FFFD, merging two principals' keys (draft §5). NUL has no
+  // place in a text column either. Refused loudly: a scope is the app's value, not the client's.
+  if (MALFORMED_SCOPE.test(scope)) {
+    throw new TypeError('fastify-idempotency: the scope function returned a string with a lone surrogate or a NUL character; scopes must be well-formed text (encode binary ids, e.g. as hex)')
   }
   state.scope = scope
   const fingerprint = await fingerprintOf(request, state)
@@ -77,7 +87,7 @@ export async function claimKey (engine: Engine, request: FastifyRequest, reply: 
       observe(engine.metrics, state, 'mismatch', 'info', 'idempotency: key reused with a different request')
       return answer(engine, state, reply, { kind: 'key-reused' })
     }
-    if (held.outcome === 'completed') return replay(engine, reply, state, held.response)
+    if (held.outcome === 'completed') return await replay(engine, request, reply, state, held.response)
 
     const remaining = deadline - Date.now()
     if (remaining <= 0) {
@@ -146,7 +156,8 @@ async function fingerprintOf (request: FastifyRequest, state: RequestState): Pro
 }
 
 /** Answers from the record (draft §2.6): the original status, replayable headers and body bytes. */
-function replay (engine: Engine, reply: FastifyReply, state: RequestState, response: StoredResponse): FastifyReply {
+async function replay (engine: Engine, request: FastifyRequest, reply: FastifyReply, state: RequestState, response: StoredResponse): Promise<FastifyReply> {
+  if (isReference(response)) return await replayReference(engine, request, reply, state, response)
   if (response.body === null) {
     observe(engine.metrics, state, 'not_retained', 'info', 'idempotency: completed key whose response was not retained')
     return answer(engine, state, reply, { kind: 'response-not-retained', extensions: { originalStatus: response.statusCode } })
@@ -161,6 +172,23 @@ function replay (engine: Engine, reply: FastifyReply, state: RequestState, respo
   reply.header('idempotent-replayed', 'true')
   // An original without a body had no Content-Type either; sending nothing keeps it that way.
   return response.body.length === 0 && headers['content-type'] === undefined ? reply.send() : reply.send(response.body)
+}
+
+/** A record of a response by reference: the route rebuilds the body from the resource's current state. */
+async function replayReference (engine: Engine, request: FastifyRequest, reply: FastifyReply, state: RequestState, response: StoredResponse): Promise<FastifyReply> {
+  const rebuild = state.settings.rebuild
+  if (rebuild === null) {
+    // Recorded by a route that had `rebuild`, replayed by one that no longer has it: the body was
+    // never retained, so the honest answer is 410, not a re-execution.
+    observe(engine.metrics, state, 'not_retained', 'error', 'idempotency: the record holds a reference but the route has no rebuild option')
+    return answer(engine, state, reply, { kind: 'response-not-retained', extensions: { originalStatus: response.statusCode } })
+  }
+  state.phase = 'replayed'
+  if (state.context !== null) state.context.replayed = true
+  observe(engine.metrics, state, 'replayed', 'debug', 'idempotency: rebuilt the response from its recorded reference')
+  const rebuilt = await sendRebuilt(rebuild, request, reply, response)
+  reply.header('idempotent-replayed', 'true')
+  return rebuilt
 }
 
 function storeFailed (engine: Engine, request: FastifyRequest, reply: FastifyReply, state: RequestState, err: unknown): FastifyReply | undefined {
