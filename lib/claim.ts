@@ -186,9 +186,8 @@ async function replayReference (engine: Engine, request: FastifyRequest, reply: 
   state.phase = 'replayed'
   if (state.context !== null) state.context.replayed = true
   observe(engine.metrics, state, 'replayed', 'debug', 'idempotency: rebuilt the response from its recorded reference')
-  const rebuilt = await sendRebuilt(rebuild, request, reply, response)
   reply.header('idempotent-replayed', 'true')
-  return rebuilt
+  return await sendRebuilt(rebuild, request, reply, response)
 }
 
 function storeFailed (engine: Engine, request: FastifyRequest, reply: FastifyReply, state: RequestState, err: unknown): FastifyReply | undefined {

@@ -15,6 +15,12 @@ export interface IdempotencyContext {
   readonly replayed: boolean
 
   /**
+   * Set it (to a JSON value, e.g. `{ type: 'payment', id }`) on a route with a `rebuild` option to
+   * record this reference instead of the response body; replays then call `rebuild(reference)`.
+   */
+  reference: unknown
+
+  /**
    * The idempotency key for a downstream call named `name` (a provider's charge, an email): the
    * same on every attempt of this operation (retries, takeovers, the reconciler), different for
    * every other (scope, key, name). Pass it as the provider's own idempotency key.

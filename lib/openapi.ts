@@ -29,7 +29,6 @@ export function documentRoute (
   settings: RouteSettings,
   methods: ReadonlySet<string> | null
 ): void {
-  if (!global.openapi) return
   const schema: unknown = route.schema
   if (schema !== undefined && !isPlainObject(schema)) return
   const own: Schema = schema ?? {}

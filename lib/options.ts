@@ -4,6 +4,7 @@ import type { FingerprintFunction, FingerprintOption } from './fingerprint.js'
 import { DEFAULT_REPLAY_HEADERS, NEVER_REPLAYED } from './headers.js'
 import type { KeyFormat } from './key.js'
 import { resolveKeyring, type EncryptionOptions, type Keyring } from './keyring.js'
+import type { RebuildFunction } from './reference.js'
 import { createMetrics, type MeterLike, type Metrics } from './observe.js'
 import { PROFILE_NAMES, type ProfileName } from './profiles.js'
 import { integerOption, MAX_TIMER_MS } from './validate.js'
@@ -52,6 +53,12 @@ export interface RouteIdempotencyOptions {
    * `claimInTransaction` (the Postgres driver). @defaultValue false
    */
   transaction?: boolean
+  /**
+   * Responses by reference: when the handler sets `request.idempotency.reference`, that (JSON) value
+   * is recorded instead of the response body, and a replay calls `rebuild(reference, request)` to
+   * answer from the resource's current state. @defaultValue none (bodies are recorded)
+   */
+  rebuild?: RebuildFunction
 }
 
 export interface IdempotencyOptions extends RouteIdempotencyOptions {
@@ -75,11 +82,14 @@ export interface IdempotencyOptions extends RouteIdempotencyOptions {
   docsUrl?: string
   /**
    * Documents each protected route in its schema (the Idempotency-Key header, the plugin's error
-   * answers, the replay marker) for @fastify/swagger (lib/openapi.ts). Set `false` when the app
-   * replaces Fastify's JSON Schema compilers for all routes (`setValidatorCompiler`, e.g. Zod).
-   * @defaultValue true
+   * answers, the replay marker) for @fastify/swagger (lib/openapi.ts). `'auto'`: only when
+   * @fastify/swagger is registered (the instance has its `swagger` decorator when the route is
+   * added), since Fastify also compiles what is documented (a header validator, serializers) and
+   * an app without a spec should not pay for one. Set `false` when the app replaces Fastify's JSON
+   * Schema compilers for all routes (`setValidatorCompiler`, e.g. Zod).
+   * @defaultValue 'auto'
    */
-  openapi?: boolean
+  openapi?: boolean | 'auto'
   /**
    * Encrypts recorded response headers and bodies at rest (AES-256-GCM); the first key seals, every
    * key opens. Registration only. @defaultValue none (responses are stored in clear)
@@ -128,6 +138,7 @@ export interface RouteSettings {
   readonly storeTimeout: number
   readonly retryAfter: number
   readonly transaction: boolean
+  readonly rebuild: RebuildFunction | null
 }
 
 export interface GlobalSettings {
@@ -136,7 +147,7 @@ export interface GlobalSettings {
   readonly profile: ProfileName
   readonly problemTypeBase: string
   readonly docsUrl: string | null
-  readonly openapi: boolean
+  readonly openapi: boolean | 'auto'
   /** Keys sealing recorded responses, or null. */
   readonly encryption: Keyring | null
   readonly metrics: Metrics | null
@@ -145,7 +156,7 @@ export interface GlobalSettings {
 
 const ROUTE_OPTION_NAMES = [
   'scope', 'required', 'ttl', 'lease', 'wait', 'maxKeyLength', 'keyFormat', 'fingerprint', 'record',
-  'maxResponseBytes', 'replayHeaders', 'onStoreError', 'storeTimeout', 'retryAfter', 'transaction'
+  'maxResponseBytes', 'replayHeaders', 'onStoreError', 'storeTimeout', 'retryAfter', 'transaction', 'rebuild'
 ] as const
 const GLOBAL_OPTION_NAMES = new Set<string>([...ROUTE_OPTION_NAMES, 'store', 'prefilter', 'methods', 'problemTypeBase', 'docsUrl', 'encryption', 'statusRoute', 'profile', 'openapi', 'metrics'])
 const ROUTE_ONLY = new Set<string>(ROUTE_OPTION_NAMES)
@@ -171,7 +182,8 @@ const DEFAULT_ROUTE: RouteSettings = Object.freeze({
   onStoreError: 'fail',
   storeTimeout: 5_000,
   retryAfter: 1,
-  transaction: false
+  transaction: false,
+  rebuild: null
 })
 
 export function resolveGlobalOptions (options: IdempotencyOptions): GlobalSettings {
@@ -199,7 +211,7 @@ export function resolveGlobalOptions (options: IdempotencyOptions): GlobalSettin
     profile: options.profile === undefined ? 'ietf' : oneOf('option "profile"', options.profile, PROFILE_NAMES),
     problemTypeBase,
     docsUrl,
-    openapi: options.openapi === undefined ? true : bool('option "openapi"', options.openapi),
+    openapi: options.openapi === undefined ? 'auto' : oneOfValues('option "openapi"', options.openapi, [true, false, 'auto'] as const),
     encryption: options.encryption === undefined ? null : resolveKeyring(options.encryption),
     metrics: createMetrics(options.metrics),
     route: mergeRouteOptions(DEFAULT_ROUTE, options, 'option')
@@ -240,7 +252,8 @@ function mergeRouteOptions (base: RouteSettings, options: RouteIdempotencyOption
     onStoreError: options.onStoreError === undefined ? base.onStoreError : oneOf(name('onStoreError'), options.onStoreError, ['fail', 'bypass']),
     storeTimeout: integerOption(name('storeTimeout'), options.storeTimeout, base.storeTimeout, 1, MAX_TIMER_MS, 'milliseconds'),
     retryAfter: integerOption(name('retryAfter'), options.retryAfter, base.retryAfter, 0, 86_400, 'seconds'),
-    transaction: options.transaction === undefined ? base.transaction : bool(name('transaction'), options.transaction)
+    transaction: options.transaction === undefined ? base.transaction : bool(name('transaction'), options.transaction),
+    rebuild: options.rebuild === undefined ? base.rebuild : fn(name('rebuild'), options.rebuild)
   }
   if (settings.lease > settings.ttl) {
     throw new InvalidOptionError(name('lease'), `at most the ttl (${settings.ttl} ms): a record must outlive its owner's lease`, settings.lease)
@@ -260,6 +273,11 @@ function fn<T> (name: string, value: T): T {
 function bool (name: string, value: unknown): boolean {
   if (typeof value !== 'boolean') throw new InvalidOptionError(name, 'true or false', value)
   return value
+}
+
+function oneOfValues<T extends boolean | string> (name: string, value: unknown, allowed: readonly T[]): T {
+  if (!allowed.includes(value as T)) throw new InvalidOptionError(name, allowed.map((a) => typeof a === 'string' ? `'${a}'` : String(a)).join(', '), value)
+  return value as T
 }
 
 function oneOf<T extends string> (name: string, value: unknown, allowed: readonly T[]): T {

@@ -52,7 +52,7 @@ export const idempotencyPlugin: FastifyPluginCallback<IdempotencyOptions> = func
   warnAboutEarlierRoutes(fastify, global)
   fastify.decorateRequest('idempotency', null)
   fastify.decorateRequest(kState, null)
-  fastify.addHook('onRoute', (route) => protectRoute(engine, global, route))
+  fastify.addHook('onRoute', function (route) { protectRoute(engine, global, route, this) })
   fastify.addHook('onSend', createRecordHook(engine))
   if (global.statusRoute !== null) {
     try {
@@ -87,7 +87,7 @@ function warnAboutEarlierRoutes (fastify: FastifyInstance, global: GlobalSetting
 }
 
 /** Decides, once per route, whether and how it is protected, and attaches the hooks only to it. */
-function protectRoute (engine: Engine, global: GlobalSettings, route: RouteOptions): void {
+function protectRoute (engine: Engine, global: GlobalSettings, route: RouteOptions, instance: FastifyInstance): void {
   const declared = (Array.isArray(route.method) ? route.method : [route.method]).map((m) => m.toUpperCase())
   const config: unknown = (route.config as { idempotency?: unknown } | undefined)?.idempotency
   let settings: RouteSettings | null
@@ -104,7 +104,7 @@ function protectRoute (engine: Engine, global: GlobalSettings, route: RouteOptio
     if (settings.transaction) checkTransactions(engine.store, `${where} config.idempotency.transaction`)
   }
 
-  documentRoute(route, engine, global, settings, methods)
+  if (global.openapi === true || (global.openapi === 'auto' && instance.hasDecorator('swagger'))) documentRoute(route, engine, global, settings, methods)
   const hooks = routeHooks(engine, settings, methods)
   appendHook(route, 'onRequest', hooks.onRequest)
   if (hooks.preParsing !== null) appendHook(route, 'preParsing', hooks.preParsing)

@@ -20,6 +20,7 @@ export interface StepOptions {
  */
 export class RequestContext implements IdempotencyContext {
   replayed = false
+  reference: unknown = undefined
   /** Atomic mode: the open transaction (typed by the Postgres entry point's augmentation). */
   sql?: any
   readonly #engine: Engine

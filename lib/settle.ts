@@ -8,6 +8,7 @@ import { stopRenewal } from './lease.js'
 import { clearInFlight, rememberCompleted } from './prefiltering.js'
 import { applyProblem } from './problems.js'
 import { deliverEnqueued } from './recovery.js'
+import { referenceRecord } from './reference.js'
 import type { Lease, StoredResponse } from './store.js'
 import { withTimeout } from './timeout.js'
 import { localId } from './waiters.js'
@@ -45,7 +46,13 @@ export async function settleOwner (engine: Engine, reply: FastifyReply, state: R
   if (captured.kind === 'stream' && !reply.hasHeader('content-type')) reply.header('content-type', 'application/octet-stream')
   const headers = pickReplayHeaders(reply.getHeaders(), state.settings.replayHeaders)
   const limit = state.settings.maxResponseBytes
-  if (state.transactional) return commitThenSend(engine, reply, state, lease, captured, headers)
+  const reference = referenceOf(engine, state, statusCode, headers)
+  if (state.transactional) return commitThenSend(engine, reply, state, lease, captured, headers, reference)
+  if (reference !== null) {
+    // The body is sent as the handler produced it (a stream streams); only the reference is kept.
+    await record(engine, state, lease, reference)
+    return sent
+  }
   if (captured.kind === 'bytes') {
     const body = captured.body.length > limit ? null : captured.body
     await record(engine, state, lease, { statusCode, headers, body })
@@ -95,7 +102,8 @@ async function commitThenSend (
   state: RequestState,
   lease: Lease,
   captured: Exclude<CapturedPayload, { kind: 'unsupported' }>,
-  headers: Record<string, string | string[]>
+  headers: Record<string, string | string[]>,
+  reference: StoredResponse | null
 ): Promise<unknown> {
   let body: Buffer
   if (captured.kind === 'bytes') {
@@ -108,7 +116,7 @@ async function commitThenSend (
       return notCommitted(engine, reply)
     }
   }
-  const response: StoredResponse = { statusCode: reply.statusCode, headers, body: body.length > state.settings.maxResponseBytes ? null : body }
+  const response: StoredResponse = reference ?? { statusCode: reply.statusCode, headers, body: body.length > state.settings.maxResponseBytes ? null : body }
   try {
     const since = Date.now()
     const committed = await withTimeout('complete', state.settings.storeTimeout, () => engine.store.complete(lease, response, state.settings.ttl))
@@ -124,6 +132,20 @@ async function commitThenSend (
   }
   done(engine, state)
   return captured.kind === 'bytes' ? undefined : body
+}
+
+/**
+ * The record of a response by reference, when the route rebuilds replays (`rebuild`) and the handler
+ * set `request.idempotency.reference`; null to record the body as usual.
+ */
+function referenceOf (engine: Engine, state: RequestState, statusCode: number, headers: Record<string, string | string[]>): StoredResponse | null {
+  const reference = state.context?.reference
+  if (state.settings.rebuild === null || reference === undefined) return null
+  const response = referenceRecord(statusCode, headers, reference)
+  if (response === null) {
+    observe(engine.metrics, state, 'not_recorded', 'error', 'idempotency: request.idempotency.reference is not JSON-serializable; recording the response body instead')
+  }
+  return response
 }
 
 function notCommitted (engine: Engine, reply: FastifyReply): string {

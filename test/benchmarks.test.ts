@@ -57,3 +57,23 @@ t.test('npm run bench:memory -- --quick writes a well-formed result', async (t) 
   t.same(result.steady.map((run) => run.mode), ['replay', 'fresh-short-ttl'])
   t.ok(result.steady.every((run) => run.rssMiB.length >= 5), 'RSS was sampled through each run')
 })
+
+t.test('npm run bench:reference -- --quick writes a well-formed result', async (t) => {
+  if (process.env.DATABASE_URL === undefined) return t.fail('DATABASE_URL must be set (npm test sets it)')
+  const dir = mkdtempSync(join(tmpdir(), 'idem-bench-ref-'))
+  t.teardown(() => rmSync(dir, { recursive: true, force: true }))
+  const out = join(dir, 'reference.json')
+  const { code, output } = await run('benchmarks/reference.ts', out)
+  t.equal(code, 0, output.slice(-2000))
+  const result = JSON.parse(readFileSync(out, 'utf8')) as {
+    records: number
+    storage: Record<'full' | 'ref', { records: number, tableBytes: number, bodyBytesPerRecord: number }>
+    freshRatio: number
+    replayRatio: number
+  }
+  t.equal(result.storage.full.records, result.records, 'every fresh key recorded once (full)')
+  t.equal(result.storage.ref.records, result.records, 'every fresh key recorded once (by reference)')
+  t.ok(result.storage.ref.bodyBytesPerRecord < result.storage.full.bodyBytesPerRecord, 'a reference is smaller than the body it stands for')
+  t.type(result.freshRatio, 'number')
+  t.type(result.replayRatio, 'number')
+})

@@ -287,10 +287,26 @@ t.test('openapi: false leaves every route schema as it was', async (t) => {
   t.equal(res.statusCode, 200)
 })
 
+t.test('openapi: \'auto\' (the default) documents only when @fastify/swagger is registered', async (t) => {
+  const plain = await buildApp(t, { plugin: { required: true } })
+  const plainSchemas = captureSchemas(plain)
+  plain.post('/payments', async () => ({ ok: true }))
+  await plain.ready()
+  t.equal(plainSchemas.get('POST /payments'), undefined, 'no swagger: no schema added, nothing compiled')
+  t.equal((await plain.inject({ method: 'POST', url: '/payments', payload: {} })).statusCode, 400, 'still protected')
+
+  const withSwagger = await buildApp(t, { plugin: { required: true } })
+  await withSwagger.register(swagger, { openapi: { openapi: '3.0.3', info: { title: 'payments', version: '1.0.0' } } })
+  const schemas = captureSchemas(withSwagger)
+  withSwagger.post('/payments', async () => ({ ok: true }))
+  await withSwagger.ready()
+  t.ok(schemas.get('POST /payments')?.headers !== undefined, 'swagger registered: the route is documented')
+})
+
 t.test('the openapi option is validated', async (t) => {
   const err = await buildApp(t, { plugin: { openapi: 'yes' as unknown as boolean } }).then(() => null, (e: unknown) => e)
   t.ok(err instanceof InvalidOptionError, 'an InvalidOptionError')
-  t.match(err, { option: 'option "openapi"', received: 'yes', message: /must be true or false; received 'yes'/ })
+  t.match(err, { option: 'option "openapi"', received: 'yes', message: /must be true, false, 'auto'; received 'yes'/ })
 })
 
 t.test('every answer is byte-identical with and without the documentation', async (t) => {
