@@ -41,6 +41,13 @@ export interface PostgresStoreOptions extends TableOptions {
    * `deliverOutbox`) after a crash. See OutboxOptions.
    */
   outbox?: OutboxOptions
+  /**
+   * Receives the errors of the store's background work, which has no request to fail: the purge
+   * timer, and the outbox delivery started after a commit (a failed delivery is also kept on its
+   * message, `last_error`, and retried). Pass your logger, e.g. `(err, task) => app.log.error({ err, task })`.
+   * @defaultValue none (the next purge tick or worker pass retries)
+   */
+  onBackgroundError?: (error: unknown, task: 'purge' | 'outbox') => void
 }
 
 export interface ResolvedNames {
@@ -53,6 +60,7 @@ export interface ResolvedStoreOptions extends ResolvedNames {
   readonly purgeInterval: number
   readonly purgeBatch: number
   readonly outbox: ResolvedOutboxOptions | null
+  readonly onBackgroundError: ((error: unknown, task: 'purge' | 'outbox') => void) | null
 }
 
 export const DEFAULT_SCHEMA = 'public'
@@ -70,8 +78,15 @@ export function resolveStoreOptions (options: PostgresStoreOptions): ResolvedSto
     ...resolveNames(options, 'postgresStore'),
     purgeInterval: integerOption('postgresStore option "purgeInterval"', options.purgeInterval, 60_000, 0, MAX_TIMER_MS),
     purgeBatch: integerOption('postgresStore option "purgeBatch"', options.purgeBatch, 1000, 1, MAX_TIMER_MS),
-    outbox: resolveOutboxOptions(options.outbox)
+    outbox: resolveOutboxOptions(options.outbox),
+    onBackgroundError: resolveCallback('postgresStore option "onBackgroundError"', options.onBackgroundError)
   })
+}
+
+function resolveCallback<T> (name: string, value: T | undefined): T | null {
+  if (value === undefined) return null
+  if (typeof value !== 'function') throw new InvalidOptionError(name, 'a function', value)
+  return value
 }
 
 export function resolveNames (options: TableOptions, caller: string): ResolvedNames {

@@ -89,10 +89,18 @@ export function postgresStore (options: PostgresStoreOptions): PostgresStore {
   const timer = settings.purgeInterval > 0 ? setInterval(purgeInBackground, settings.purgeInterval) : null
   timer?.unref()
 
-  /** One background purge at a time; an error is dropped (the next tick retries; call purgeExpired() to see it). */
+  /** One background purge at a time; an error goes to onBackgroundError, and the next tick retries. */
   function purgeInBackground (): void {
     if (purging !== null || closed) return
-    purging = purge(Infinity).then(() => {}, () => {}).finally(() => { purging = null })
+    purging = purge(Infinity).then(() => {}, (err: unknown) => { reportBackground(err, 'purge') }).finally(() => { purging = null })
+  }
+
+  function reportBackground (err: unknown, task: 'purge' | 'outbox'): void {
+    try {
+      settings.onBackgroundError?.(err, task)
+    } catch {
+      // A throwing reporter must not become an unhandled rejection in a timer.
+    }
   }
 
   /**
@@ -245,7 +253,7 @@ export function postgresStore (options: PostgresStoreOptions): PostgresStore {
     afterCommit (id: RecordId): void {
       if (outbox === null || closed) return
       // Not awaited by the request; close() waits for it. A failure leaves the message due for the worker.
-      const delivery = outbox.deliverFor(id).catch(() => {}).finally(() => { deliveries.delete(delivery) })
+      const delivery = outbox.deliverFor(id).catch((err: unknown) => { reportBackground(err, 'outbox') }).finally(() => { deliveries.delete(delivery) })
       deliveries.add(delivery)
     },
 

@@ -167,6 +167,27 @@ function suite (url: string): void {
     t.same((await w.outboxRows()).map((row) => row.name), ['ledger'])
   })
 
+  t.test('background failures reach onBackgroundError: the purge timer, and a delivery after commit', async (t) => {
+    const seen: Array<[string, string]> = []
+    // No migrate(): the table does not exist, so every background statement fails.
+    const store = postgresStore({
+      sql,
+      schema,
+      table: 'never_created',
+      purgeInterval: 20,
+      outbox: { deliver: () => {} },
+      onBackgroundError: (err, task) => { seen.push([task, String((err as { code?: string }).code)]) }
+    })
+    const deadline = Date.now() + 5000
+    while (!seen.some(([task]) => task === 'purge') && Date.now() < deadline) await sleep(10)
+    store.afterCommit({ scope: 's', key: 'k' })
+    while (!seen.some(([task]) => task === 'outbox') && Date.now() < deadline) await sleep(10)
+    await store.close()
+    t.ok(seen.some(([task, code]) => task === 'purge' && code === '42P01'), 'the purge error (undefined table)')
+    t.ok(seen.some(([task, code]) => task === 'outbox' && code === '42P01'), 'the delivery error')
+    t.throws(() => postgresStore({ sql, onBackgroundError: 'log' as never }), { message: /onBackgroundError/ })
+  })
+
   t.test('options and misuse', async (t) => {
     t.throws(() => postgresStore({ sql, outbox: {} as never }), InvalidOptionError)
     t.throws(() => postgresStore({ sql, outbox: { deliver: () => {}, retryDelay: 0 } }), { message: /outbox\.retryDelay/ })
