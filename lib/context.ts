@@ -93,7 +93,7 @@ export class RequestState {
   /** A message was enqueued in the transaction now open: deliver after it commits. */
   enqueued = false
   /** The last step() call, so the next one runs after it settles (steps run in order). */
-  stepChain: Promise<unknown> = Promise.resolve()
+  stepChain: Promise<unknown> | null = null
 
   readonly log: FastifyBaseLogger
   /** performance.now() when the request reached the plugin: decision latencies are measured from it. */

@@ -45,7 +45,8 @@ export class RequestContext implements IdempotencyContext {
     checkName('step', name)
     if (typeof fn !== 'function') throw new TypeError(`fastify-idempotency: step("${name}", fn) takes a function; received ${typeof fn}`)
     const state = this.#state
-    const run = state.stepChain.then(() => runStep(this.#engine, state, name, fn, options?.transaction === true))
+    const previous = state.stepChain ?? Promise.resolve()
+    const run = previous.then(() => runStep(this.#engine, state, name, fn, options?.transaction === true))
     // The next step waits for this one whether it succeeds or not (its own call sees the error).
     state.stepChain = run.catch(() => {})
     return run as Promise<T>
