@@ -132,22 +132,24 @@ export function postgresStore (options: PostgresStoreOptions): PostgresStore {
     (lease) => retrying(() => statements.release(lease))
   )
 
-  /** A reconciler pass, then the outbox's leftovers, under one advisory lock held on one reserved connection. */
+  /**
+   * A reconciler pass, then the outbox's leftovers, under a transaction-level advisory lock: the
+   * lock ends with the transaction however the pass ends (a dead connection included), and nothing
+   * else runs in that transaction, so it holds no row lock and no snapshot. Not `sql.reserve()`:
+   * in postgres.js 3.4.9 it never resolves on a fresh connection of a client created with
+   * `fetch_types: false` (porsager/postgres#751), the setting the README recommends. The pass's
+   * own statements use other connections of the pool, hence at least two.
+   */
   async function exclusively (run: () => Promise<void>): Promise<boolean> {
-    const connection = await settings.sql.reserve()
-    try {
-      const lock = `${RECONCILER_LOCK}${settings.schema}.${settings.table}`
-      const [row] = await connection`SELECT pg_try_advisory_lock(hashtextextended(${lock}, 0)) AS locked`
-      if (row?.locked !== true) return false
-      try {
-        await run()
-      } finally {
-        await connection`SELECT pg_advisory_unlock(hashtextextended(${lock}, 0))`
-      }
-      return true
-    } finally {
-      connection.release()
-    }
+    const lock = `${RECONCILER_LOCK}${settings.schema}.${settings.table}`
+    let ran = false
+    await settings.sql.begin(async (tx) => {
+      const [row] = await tx`SELECT pg_try_advisory_xact_lock(hashtextextended(${lock}, 0)) AS locked`
+      if (row?.locked !== true) return
+      ran = true
+      await run()
+    })
+    return ran
   }
 
   /**
@@ -241,6 +243,10 @@ export function postgresStore (options: PostgresStoreOptions): PostgresStore {
     reconcile: (options: ReconcileOptions): Promise<ReconcileReport> => reconcileWith(reconcileSource, options, 'postgresStore.reconcile'),
 
     startReconciler (options: ReconcilerOptions) {
+      const max = (settings.sql as { options?: { max?: unknown } }).options?.max
+      if (typeof max === 'number' && max < 2) {
+        throw new TypeError(`fastify-idempotency: startReconciler needs a postgres client with at least 2 connections (max: ${max}): one holds the lock while the pass runs on another`)
+      }
       return startReconcilerWith(async () => {
         const report = await reconcileWith(reconcileSource, options, 'postgresStore.reconcile')
         if (outbox !== null) await outbox.deliverDue(options.limit ?? 100)

@@ -129,7 +129,9 @@ function suite (url: string): void {
       return { action: 'complete', response: { statusCode: 204 } }
     }
     // Three "instances": three stores on three clients, each with its own reconciler.
-    const others = [postgres(url, { max: 2, onnotice: () => {} }), postgres(url, { max: 2, onnotice: () => {} })]
+    // fetch_types: false, as the README recommends: with it, postgres.js 3.4.9's sql.reserve() never
+    // resolves (porsager/postgres#751), which an earlier reconciler lock relied on.
+    const others = [postgres(url, { max: 2, fetch_types: false, onnotice: () => {} }), postgres(url, { max: 2, fetch_types: false, onnotice: () => {} })]
     const instances = [store, ...others.map((client) => postgresStore({ sql: client, schema, table: `records_${tables}`, purgeInterval: 0 }))]
     const reconcilers = instances.map((instance) => instance.startReconciler({ interval: 5, olderThan: 0, limit: 2, resolve }))
     const deadline = Date.now() + 10_000
@@ -138,6 +140,9 @@ function suite (url: string): void {
     for (const instance of instances.slice(1)) await instance.close()
     await Promise.all(others.map((client) => client.end({ timeout: 1 })))
     t.equal(resolved, 6, 'every stuck record resolved once')
+    const single = postgres(url, { max: 1, onnotice: () => {} })
+    t.throws(() => postgresStore({ sql: single, schema, purgeInterval: 0 }).startReconciler({ resolve: () => undefined }), { message: /at least 2 connections/ })
+    await single.end({ timeout: 1 })
     t.equal(most, 1, 'never two passes at once')
     const left = await sql`SELECT count(*)::int AS n FROM ${sql(schema)}.${sql(`records_${tables}`)} WHERE state = 'in_progress'`
     t.equal(left[0]?.n, 0)

@@ -128,12 +128,16 @@ class Connection {
     this.toClient?.stop()
     for (const socket of [this.client, this.upstream]) {
       if (socket === null || socket.destroyed) continue
-      try {
-        if (rst) socket.resetAndDestroy()
-        else socket.destroy()
-      } catch {
-        socket.destroy()
+      // A RST only on a socket still open for writing: once its write side ended, libuv refuses the
+      // reset (EINVAL) and the handle is never closed (the process then cannot exit); one still
+      // connecting has nothing to reset.
+      if (rst && !socket.writableEnded && !socket.connecting) {
+        try {
+          socket.resetAndDestroy()
+          continue
+        } catch {}
       }
+      socket.destroy()
     }
   }
 }

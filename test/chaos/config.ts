@@ -1,0 +1,98 @@
+import type { WorkloadSettings } from './clients.js'
+
+/**
+ * The run's parameters: `tsx test/chaos/run.ts [--quick] [--duration=SECONDS] [--seed=N]
+ * [--redis=standalone|cluster|both] [--instances=N] [--report=FILE] [--plant=provider-key-per-attempt]`.
+ *
+ * Full mode (the default) keeps faults coming for `duration` seconds (300), with at least 10,000
+ * operations and every fault kind at least 10 times (a shorter --duration scales both down); quick
+ * mode (CI) runs 30 s with every kind at least once.
+ */
+export interface ChaosConfig {
+  readonly mode: 'full' | 'quick'
+  readonly seed: number
+  /** Seconds of load with faults. */
+  readonly durationS: number
+  /** `both`: the first half on the standalone Redis, then a rolling restart onto the 3-master cluster. */
+  readonly redis: 'standalone' | 'cluster' | 'both'
+  readonly instances: number
+  /** Scheduled injections of each fault kind. */
+  readonly faultsPerKind: number
+  /** Effective injections of each kind the run must reach, or it fails (a fault that never bit proves nothing). */
+  readonly minEffectivePerKind: number
+  readonly minOperations: number
+  readonly workload: WorkloadSettings
+  readonly leaseMs: number
+  readonly waitMs: number
+  readonly storeTimeoutMs: number
+  /** How long the drain may take to bring every operation to an answer once the faults stopped. */
+  readonly drainS: number
+  readonly reportFile: string | null
+  /**
+   * A bug planted in the app, to see the harness catch it end to end: `provider-key-per-attempt`
+   * derives a fresh provider key on every attempt, so a re-run charges twice.
+   */
+  readonly plant: 'provider-key-per-attempt' | null
+}
+
+export function parseArgs (argv: readonly string[]): ChaosConfig {
+  const flags = new Map<string, string>()
+  for (const arg of argv) {
+    const match = /^--([a-z-]+)(?:=(.*))?$/.exec(arg)
+    if (match === null) throw new Error(`chaos: unknown argument ${arg}`)
+    flags.set(match[1] as string, match[2] ?? 'true')
+  }
+  const known = new Set(['quick', 'duration', 'seed', 'redis', 'instances', 'report', 'plant'])
+  for (const name of flags.keys()) if (!known.has(name)) throw new Error(`chaos: unknown option --${name}`)
+
+  const quick = flags.get('quick') === 'true'
+  const durationS = integer(flags.get('duration'), quick ? 30 : 300, '--duration', 10)
+  const seed = integer(flags.get('seed'), Date.now() % 2_147_483_647, '--seed', 0)
+  const redis = flags.get('redis') ?? 'both'
+  if (redis !== 'standalone' && redis !== 'cluster' && redis !== 'both') throw new Error(`chaos: --redis must be standalone, cluster or both; received ${redis}`)
+  const instances = integer(flags.get('instances'), 3, '--instances', 2)
+  const plant = flags.get('plant') ?? null
+  if (plant !== null && plant !== 'provider-key-per-attempt') throw new Error(`chaos: --plant takes provider-key-per-attempt; received ${plant}`)
+  // Full mode: 12,000 operations over the run (at 300 s, 40 a second), at most 60 a second.
+  const ratePerSecond = quick ? 20 : Math.min(60, Math.max(40, Math.ceil(12_000 / durationS)))
+  // A scheduled fault can miss (nothing in flight to kill, a probe cut by an overlapping restart):
+  // more are scheduled than the minimum that must bite. At 300 s: 14 of each, 10 must bite.
+  const faultsPerKind = quick ? 2 : Math.max(2, Math.round(durationS / 21))
+
+  return {
+    mode: quick ? 'quick' : 'full',
+    seed,
+    durationS,
+    redis,
+    instances,
+    faultsPerKind,
+    minEffectivePerKind: quick ? 1 : Math.max(1, faultsPerKind - 4),
+    // 10,000 in a full run of 300 s or more; 85% of what was scheduled in a shorter one.
+    minOperations: quick ? 100 : Math.min(10_000, Math.floor(0.85 * ratePerSecond * durationS)),
+    workload: {
+      scopes: ['acct-alpha', 'acct-beta'],
+      ratePerSecond,
+      maxConcurrent: quick ? 64 : 256,
+      attemptTimeoutMs: 3_000,
+      maxAttempts: 8,
+      atomicShare: 0.5,
+      reuseShare: 0.05,
+      sharedKeyShare: 0.1,
+      stormShare: 0.1,
+      replayCheckShare: 0.25
+    },
+    leaseMs: 2_000,
+    waitMs: 250,
+    storeTimeoutMs: 2_000,
+    drainS: quick ? 20 : 60,
+    reportFile: flags.get('report') ?? null,
+    plant
+  }
+}
+
+function integer (value: string | undefined, fallback: number, name: string, min: number): number {
+  if (value === undefined) return fallback
+  const n = Number(value)
+  if (!Number.isInteger(n) || n < min) throw new Error(`chaos: ${name} takes an integer >= ${min}; received ${value}`)
+  return n
+}

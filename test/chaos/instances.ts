@@ -1,0 +1,136 @@
+import type { ChildProcess } from 'node:child_process'
+import { createServer, type AddressInfo } from 'node:net'
+import path from 'node:path'
+import { startFaultProxy, type FaultProxy } from '../helpers/fault-proxy.js'
+import { crashOf } from './crashes.js'
+import type { Crash } from './history.js'
+import { killChild, shutdownChild, startChild } from './processes.js'
+import type { Random } from './random.js'
+
+/** What every app instance shares: where its database, Redis and provider are, and its timings. */
+export interface InstanceEnvironment {
+  /** The database as the apps see it: through the database fault proxy. */
+  readonly databaseUrl: string
+  readonly providerPort: number
+  readonly leaseMs: number
+  readonly waitMs: number
+  readonly storeTimeoutMs: number
+  readonly handlerDelayMs: number
+  readonly logDir: string
+  readonly seed: number
+  /** Called when an instance dies without the harness killing it (its supervisor restarts it). */
+  readonly onCrash: (instance: AppInstance, crash: Omit<Crash, 'at'>) => void
+  /** See ChaosConfig.plant. */
+  readonly plant: string | null
+}
+
+/**
+ * One app instance: a child process on a fixed loopback port (so it comes back on the same address
+ * after a kill) behind its own fault proxy, which is what clients connect to (the load balancer's
+ * view of it: dropped replies and resets happen there).
+ */
+export class AppInstance {
+  child: ChildProcess | null = null
+  /** Client attempts sent to this instance and not answered yet. */
+  inFlight = 0
+  skewMs = 0
+  /** `standalone:<url>` or `cluster:<nodes>` (see app.ts). */
+  redis: string
+  starts = 0
+  /** Set while the harness itself stops the process, so its exit is not a crash. */
+  private stopping = false
+  private starting: Promise<void> | null = null
+
+  private constructor (
+    readonly index: number,
+    readonly port: number,
+    readonly proxy: FaultProxy,
+    private readonly environment: InstanceEnvironment,
+    redis: string
+  ) {
+    this.redis = redis
+  }
+
+  static async create (index: number, environment: InstanceEnvironment, redis: string, random: Random): Promise<AppInstance> {
+    const port = await freePort()
+    const proxy = await startFaultProxy({ host: '127.0.0.1', port }, {}, { random })
+    return new AppInstance(index, port, proxy, environment, redis)
+  }
+
+  get running (): boolean {
+    return this.child !== null && this.child.exitCode === null && this.child.signalCode === null
+  }
+
+  /** Starts the instance unless it runs (or is starting) already: a supervisor and a fault may both try. */
+  start (skewMs: number): Promise<void> {
+    if (this.running) return Promise.resolve()
+    this.starting ??= this.spawn(skewMs).finally(() => { this.starting = null })
+    return this.starting
+  }
+
+  private async spawn (skewMs: number): Promise<void> {
+    this.skewMs = skewMs
+    this.stopping = false
+    const env = this.environment
+    const started = await startChild('test/chaos/app.ts', {
+      CHAOS_INSTANCE: String(this.index),
+      CHAOS_PORT: String(this.port),
+      CHAOS_DATABASE_URL: env.databaseUrl,
+      CHAOS_REDIS: this.redis,
+      CHAOS_PROVIDER_PORT: String(env.providerPort),
+      CHAOS_LEASE_MS: String(env.leaseMs),
+      CHAOS_WAIT_MS: String(env.waitMs),
+      CHAOS_STORE_TIMEOUT_MS: String(env.storeTimeoutMs),
+      CHAOS_HANDLER_DELAY_MS: String(env.handlerDelayMs),
+      CHAOS_CLOCK_SKEW_MS: String(skewMs),
+      CHAOS_SEED: String(env.seed),
+      CHAOS_PLANT: env.plant ?? '',
+      CHAOS_LOG_LEVEL: process.env.CHAOS_LOG_LEVEL ?? 'warn'
+    }, path.join(env.logDir, `app-${this.index}.log`), ['test/chaos/clock-skew.ts'])
+    const child = started.child
+    this.child = child
+    this.starts++
+    child.once('exit', (code, signal) => {
+      if (this.child !== child) return
+      this.child = null
+      if (!this.stopping) env.onCrash(this, crashOf(`app instance ${this.index}`, 0, code, signal, started.stderrTail()))
+    })
+  }
+
+  /** SIGKILL: requests in flight die with it, transactions roll back, leases are left to lapse. */
+  async kill (): Promise<void> {
+    this.stopping = true
+    if (this.child !== null) await killChild(this.child)
+    this.child = null
+  }
+
+  /** A rolling deploy's stop: finish what is in flight, then exit. */
+  async shutdown (): Promise<void> {
+    this.stopping = true
+    if (this.child !== null) await shutdownChild(this.child)
+    this.child = null
+  }
+
+  /** Moves the instance's wall clock (clock-skew.ts) without restarting it. */
+  setSkew (skewMs: number): boolean {
+    if (!this.running || this.child === null) return false
+    this.skewMs = skewMs
+    try {
+      this.child.send({ type: 'clock-skew', ms: skewMs })
+      return true
+    } catch {
+      return false
+    }
+  }
+}
+
+export function freePort (): Promise<number> {
+  return new Promise((resolve, reject) => {
+    const server = createServer()
+    server.once('error', reject)
+    server.listen(0, '127.0.0.1', () => {
+      const { port } = server.address() as AddressInfo
+      server.close(() => resolve(port))
+    })
+  })
+}

@@ -1,0 +1,80 @@
+/**
+ * The reconciler worker: its own process (as it would be deployed), running the store's `reconcile`
+ * pass every CHAOS_INTERVAL_MS with the app's policy (reconcile-policy.ts), through the database
+ * proxy, so it meets the same faults as the apps, and the harness restarts it when it dies.
+ *
+ * Its own loop rather than `store.startReconciler`: that one holds its advisory lock on a
+ * `sql.reserve()`d connection, and with postgres.js 3.4.9 `reserve()` never resolves on a fresh
+ * connection when `fetch_types` is false (porsager/postgres#751, #1219), while `fetch_types` must be
+ * false here (see app.ts). One worker runs, so the lock has nothing to exclude.
+ *
+ * Run as `node --import tsx test/chaos/reconciler.ts` with an IPC channel and CHAOS_DATABASE_URL.
+ * Sends `{ type: 'ready', available }` (false when the plugin has no reconciler) and
+ * `{ type: 'stats', stats }` after every pass; `{ type: 'older-than', ms }` changes its threshold;
+ * it exits when the channel closes.
+ */
+import postgres from 'postgres'
+import { postgresStore } from '../../drivers/postgres/index.js'
+import { resolveStuck, type Resolution, type StuckRecordView } from './reconcile-policy.js'
+
+export interface ReconcilerStats {
+  passes: number
+  examined: number
+  completed: number
+  resumed: number
+  errors: number
+}
+
+interface PassReport {
+  readonly examined: number
+  readonly completed: number
+  readonly resumed: number
+  readonly errors: readonly unknown[]
+}
+
+/** The part of the store's recovery API used here, typed locally so the harness builds without it. */
+interface ReconcilingStore {
+  reconcile (options: { resolve: (record: StuckRecordView) => Resolution, olderThan: number, lease: number, limit: number }): Promise<PassReport>
+}
+
+const url = process.env.CHAOS_DATABASE_URL
+if (url === undefined || process.send === undefined) throw new Error('reconciler: CHAOS_DATABASE_URL and an IPC channel are required')
+const intervalMs = Number(process.env.CHAOS_INTERVAL_MS ?? '2000')
+let olderThanMs = Number(process.env.CHAOS_OLDER_THAN_MS ?? '4000')
+
+// fetch_types: false for the reason given in app.ts (porsager/postgres#1192).
+const sql = postgres(url, { max: 2, connect_timeout: 3, fetch_types: false, onnotice: () => {}, connection: { application_name: 'chaos-app-reconciler', synchronous_commit: 'on' } })
+const store = postgresStore({ sql, purgeInterval: 0 }) as unknown as Partial<ReconcilingStore>
+const stats: ReconcilerStats = { passes: 0, examined: 0, completed: 0, resumed: 0, errors: 0 }
+
+async function pass (reconcile: NonNullable<ReconcilingStore['reconcile']>): Promise<void> {
+  try {
+    const report = await reconcile.call(store, { resolve: resolveStuck, olderThan: olderThanMs, lease: 10_000, limit: 200 })
+    stats.passes++
+    stats.examined += report.examined
+    stats.completed += report.completed
+    stats.resumed += report.resumed
+    stats.errors += report.errors.length
+  } catch {
+    stats.errors++
+  }
+  process.send?.({ type: 'stats', stats })
+}
+
+async function loop (): Promise<void> {
+  const reconcile = store.reconcile
+  if (reconcile === undefined) return
+  for (;;) {
+    await new Promise((resolve) => setTimeout(resolve, intervalMs))
+    await pass(reconcile)
+  }
+}
+
+process.on('message', (message: unknown) => {
+  const m = message as { type?: unknown, ms?: unknown } | null
+  if (m?.type === 'older-than' && typeof m.ms === 'number') olderThanMs = m.ms
+})
+process.on('disconnect', () => process.exit(0))
+
+process.send({ type: 'ready', available: store.reconcile !== undefined })
+void loop()

@@ -1,0 +1,190 @@
+/**
+ * The chaos harness (issue 6): `tsx test/chaos/run.ts [--quick] [--duration=SECONDS] [--seed=N]
+ * [--redis=standalone|cluster|both] [--instances=N] [--report=FILE] [--plant=provider-key-per-attempt]`.
+ *
+ * Starts a private PostgreSQL, Redis and 3-master Redis Cluster, the fake provider, the reconciler
+ * worker and N instances of the payments app behind fault proxies (system.ts); drives operations at
+ * them while injecting faults (clients.ts, faults.ts); stops the faults and drains (retries every
+ * unanswered operation); then checks the history (checker.ts) and prints a summary. Exit status: 0
+ * when there is no violation and every fault kind bit often enough, 1 on a violation (the key's
+ * history is printed), 2 when the harness itself failed, a fault kind was not injected enough or too
+ * few operations ran.
+ */
+import { writeFileSync } from 'node:fs'
+import { check, keyHistory } from './checker.js'
+import { Workload } from './clients.js'
+import { ledgerEffects, providerLog, storedRecords } from './collect.js'
+import { parseArgs, type ChaosConfig } from './config.js'
+import { FAULT_KINDS, FaultInjector, faultSchedule } from './faults.js'
+import { recordId, type History } from './history.js'
+import { killAll } from './processes.js'
+import { seededRandom } from './random.js'
+import { faultCounts, formatSummary, type ChaosReport } from './report.js'
+import { startPrivateServices, type Services } from './services.js'
+import { startSystem, type ChaosSystem } from './system.js'
+
+const sleep = (ms: number): Promise<void> => new Promise((resolve) => setTimeout(resolve, ms))
+const log = (message: string): void => { process.stderr.write(`[chaos] ${message}\n`) }
+
+let services: Services | null = null
+
+/** Every child and server goes, whichever way the runner ends. */
+function cleanup (): void {
+  killAll()
+  services?.stop()
+}
+
+async function main (config: ChaosConfig): Promise<number> {
+  const t0 = Date.now()
+  const now = (): number => Date.now() - t0
+  const random = seededRandom(config.seed)
+  if (config.plant !== null) log(`PLANTED BUG: ${config.plant}; this run must find violations`)
+  log(`${config.mode} run, seed ${config.seed} (reproduce with --seed=${config.seed}${config.mode === 'quick' ? ' --quick' : ''} --duration=${config.durationS})`)
+
+  services = await startPrivateServices()
+  log(`private services: PostgreSQL ${services.database.host}:${services.database.port} (${services.postgres.dataDir}), Redis ${services.redis.address}, cluster ${services.cluster.map((node) => node.address).join(' ')}`)
+  const system = await startSystem(config, random, now, log, services)
+  log(system.reconciler.available
+    ? 'the store has a reconciler: a worker process runs store.reconcile() every 2 s through the database proxy'
+    : 'the store has no reconciler: stuck keys are resolved by the drain\'s retries only')
+  log(`services, provider and ${system.instances.length} instances up in ${(now() / 1000).toFixed(1)} s; logs in ${system.workDir}`)
+
+  const faults = new FaultInjector({
+    services,
+    dbProxy: system.dbProxy,
+    providerProxy: system.providerProxy,
+    instances: system.instances,
+    probe: system.probe,
+    redisTopology: () => system.topology,
+    restart: system.restart
+  }, random.fork('injections'), now)
+  const workload = new Workload(system.instances, config.workload, random.fork('operations'), random.fork('clients'), now)
+  await load(config, system, faults, workload, now)
+
+  log(`healing, then draining ${workload.unanswered} unanswered operation(s)`)
+  await faults.heal()
+  // No fault is coming: whatever is left in progress once its lease ended is stuck.
+  system.reconciler.setOlderThan(0)
+  await workload.drain(now() + config.drainS * 1000)
+  // Leases of owners that died or lost their store run out, and the reconciler passes once more.
+  await sleep(config.leaseMs + 2_500)
+  await system.reconciler.stop()
+  const settled = await settleInProgress(system, workload, config, now)
+
+  const records = await services.postgres.query((sql) => storedRecords(sql))
+  const ledger = await services.postgres.query((sql) => ledgerEffects(sql))
+  await system.stopProvider()
+  const charges = await providerLog(system.providerLogFile)
+  const history: History = {
+    operations: workload.operations,
+    attempts: workload.attempts,
+    effects: [...ledger, ...charges.effects],
+    records,
+    faults: faults.events,
+    crashes: system.crashes
+  }
+  const result = check(history)
+  const counts = faultCounts(faults.events)
+  const faultsMissing = FAULT_KINDS.filter((kind) => counts[kind].effective < config.minEffectivePerKind)
+  const tooFew = result.stats.operations < config.minOperations
+  const failed = result.violations.length > 0 || faultsMissing.length > 0 || tooFew
+  const report: ChaosReport = {
+    mode: config.mode,
+    seed: config.seed,
+    durationS: config.durationS,
+    redis: config.redis,
+    instances: config.instances,
+    elapsedS: Math.round(now() / 1000),
+    stats: result.stats,
+    throttled: workload.throttled,
+    providerCalls: charges.calls,
+    providerReplays: charges.replayed,
+    settledByDrain: settled,
+    reconciler: system.reconciler.available ? system.reconciler.stats : null,
+    faults: counts,
+    faultEvents: faults.events,
+    crashes: system.crashes,
+    faultsMissing,
+    violations: result.violations,
+    logDir: failed ? system.workDir : null
+  }
+
+  process.stdout.write(formatSummary(report) + '\n')
+  if (tooFew) process.stdout.write(`TOO FEW OPERATIONS: ${result.stats.operations} < ${config.minOperations}\n`)
+  printViolations(history, result.violations)
+  if (config.reportFile !== null) writeFileSync(config.reportFile, JSON.stringify(report, null, 2))
+  await system.stop(!failed)
+  if (failed) log(`logs kept in ${system.workDir}`)
+  return result.violations.length > 0 ? 1 : failed ? 2 : 0
+}
+
+/** Operations at the configured rate and faults on their schedule for `durationS`; halfway, the rollover to the cluster. */
+async function load (config: ChaosConfig, system: ChaosSystem, faults: FaultInjector, workload: Workload, now: () => number): Promise<void> {
+  const loadStart = now()
+  const loadEnd = loadStart + config.durationS * 1000
+  const quietMs = config.mode === 'quick' ? 3_000 : 8_000
+  const schedule = faultSchedule(seededRandom(config.seed).fork('schedule'), FAULT_KINDS, config.faultsPerKind, loadStart + 2_000, loadEnd - quietMs)
+  const progress = setInterval(() => {
+    log(`${((now() - loadStart) / 1000).toFixed(0)} s: ${workload.operations.length} operations, ${workload.attempts.length} attempts, ${faults.events.length} faults`)
+  }, config.mode === 'quick' ? 10_000 : 30_000)
+  const rollover = config.redis !== 'both'
+    ? Promise.resolve()
+    : sleep(config.durationS * 500).then(() => faults.withLock('apps', async () => {
+      await system.rollOverToCluster()
+      log('rolled every instance over to the Redis Cluster')
+    }))
+  await Promise.all([workload.runLoad(loadEnd), faults.run(schedule, loadEnd), rollover])
+  clearInterval(progress)
+  log(`load over after ${((now() - loadStart) / 1000).toFixed(1)} s`)
+}
+
+/**
+ * Records still in progress although no owner is left and the reconciler had its passes: the owner
+ * answered its client but could not record the response, or died after its effect. A client retry
+ * takes such a key over once its lease lapsed; the drain sends that retry. Returns how many keys
+ * needed it.
+ */
+async function settleInProgress (system: ChaosSystem, workload: Workload, config: ChaosConfig, now: () => number): Promise<number> {
+  const stuck = (await system.services.postgres.query((sql) => storedRecords(sql))).filter((record) => record.state !== 'completed')
+  if (stuck.length === 0) return 0
+  const ids = new Set(stuck.map((record) => recordId(record.scope, record.key)))
+  const ops = workload.operations.filter((op) => ids.has(recordId(op.scope, op.key)))
+  log(`${stuck.length} record(s) still in progress after the drain; retrying their operations`)
+  await workload.settle(ops, now() + config.drainS * 1000)
+  return ops.length
+}
+
+function printViolations (history: History, violations: ChaosReport['violations']): void {
+  const shown = new Set<string>()
+  for (const violation of violations) {
+    process.stdout.write(`VIOLATION ${violation.kind}: ${violation.message}\n`)
+    const id = recordId(violation.scope, violation.key)
+    if (violation.key === '' || shown.has(id) || shown.size >= 25) continue
+    shown.add(id)
+    process.stdout.write(keyHistory(history, violation.scope, violation.key) + '\n')
+  }
+}
+
+process.on('exit', cleanup)
+process.on('uncaughtException', (err) => {
+  log(`harness failure (uncaught): ${err.stack ?? String(err)}`)
+  process.exit(2)
+})
+for (const signal of ['SIGINT', 'SIGTERM', 'SIGHUP'] as const) {
+  process.on(signal, () => {
+    log(`received ${signal}, stopping`)
+    process.exit(130)
+  })
+}
+
+let config: ChaosConfig
+try {
+  config = parseArgs(process.argv.slice(2))
+} catch (err) {
+  log((err as Error).message)
+  process.exit(2)
+}
+main(config).then((code) => process.exit(code), (err: unknown) => {
+  log(`harness failure: ${(err as Error).stack ?? String(err)}`)
+  process.exit(2)
+})
