@@ -179,13 +179,8 @@ async function harness (t: Test, plugin: IdempotencyOptions = {}): Promise<Harne
   const inner = memoryStore({ purgeInterval: 0 })
   let claims = 0
   const store: IdempotencyStore = {
-    claim: (request) => { claims++; return inner.claim(request) },
-    complete: (lease, response, ttl) => inner.complete(lease, response, ttl),
-    release: (lease) => inner.release(lease),
-    renew: (lease, ms) => inner.renew(lease, ms),
-    get: (id) => inner.get(id),
-    purgeExpired: (limit) => inner.purgeExpired(limit),
-    close: () => inner.close()
+    ...inner,
+    claim: (request) => { claims++; return inner.claim(request) }
   }
   const app = await buildApp(t, { plugin: { store, ...plugin } })
   t.teardown(() => inner.close())

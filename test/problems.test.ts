@@ -52,19 +52,14 @@ interface World {
 function failingStore (inner: IdempotencyStore, failures = Infinity): IdempotencyStore {
   let failed = 0
   return {
+    ...inner,
     claim: async (request) => {
       if (request.key.startsWith('fail-') && failed < failures) {
         failed++
         throw new Error(`connection refused /srv/db.sock (${SECRET})`)
       }
       return inner.claim(request)
-    },
-    complete: (lease, response, ttl) => inner.complete(lease, response, ttl),
-    release: (lease) => inner.release(lease),
-    renew: (lease, ms) => inner.renew(lease, ms),
-    get: (id) => inner.get(id),
-    purgeExpired: (limit) => inner.purgeExpired(limit),
-    close: () => inner.close()
+    }
   }
 }
 

@@ -21,6 +21,7 @@ function faultyStore (t: Test): IdempotencyStore {
   const inner = memoryStore({ purgeInterval: 0 })
   t.teardown(() => inner.close())
   return {
+    ...inner,
     claim: async (request) => {
       if (request.key.startsWith('fail-')) throw new Error('connection refused')
       return inner.claim(request)
@@ -33,12 +34,7 @@ function faultyStore (t: Test): IdempotencyStore {
     complete: async (lease, response, ttl) => {
       if (lease.key.startsWith('commit-')) throw new Error('could not serialize access due to concurrent update')
       return inner.complete(lease, response, ttl)
-    },
-    release: (lease) => inner.release(lease),
-    renew: (lease, ms) => inner.renew(lease, ms),
-    get: (id) => inner.get(id),
-    purgeExpired: (limit) => inner.purgeExpired(limit),
-    close: () => inner.close()
+    }
   }
 }
 

@@ -1,8 +1,7 @@
-import { spawn, type ChildProcess } from 'node:child_process'
+import type { ChildProcess } from 'node:child_process'
 import { createHash, randomBytes, randomUUID } from 'node:crypto'
 import { readFile } from 'node:fs/promises'
 import { createServer, connect, type AddressInfo, type Server, type Socket } from 'node:net'
-import { createInterface } from 'node:readline'
 import { fileURLToPath } from 'node:url'
 import Fastify, { type FastifyInstance, type LightMyRequestResponse } from 'fastify'
 import postgres from 'postgres'
@@ -11,6 +10,7 @@ import idempotency, { InvalidOptionError, type IdempotencyOptions } from '../../
 import type { ClaimResult, Fingerprint, IdempotencyStore, StoredResponse } from '../../lib/store.js'
 import { migrate, postgresStore, type PostgresClient, type PostgresStore, type PostgresStoreOptions } from '../../drivers/postgres/index.js'
 import { runConformance } from './conformance.js'
+import { spawnFixture, type ChildApp } from '../helpers/child-app.js'
 
 /**
  * The Postgres driver against a real server (DATABASE_URL; `node scripts/test.mjs` provisions a
@@ -113,31 +113,11 @@ function suite (url: string): void {
   }
 
   /** Starts the fixture app in a child process; resolves with its port and a stream of its stdout messages. */
-  async function spawnInstance (t: Test, env: Record<string, string>): Promise<{ child: ChildProcess, port: number, next: (field: string) => Promise<unknown> }> {
-    const child = spawn(process.execPath, ['--import', 'tsx', FIXTURE], {
-      env: { ...process.env, DATABASE_URL: url, IDEM_SCHEMA: schema, ...env },
-      stdio: ['ignore', 'pipe', 'inherit']
-    })
-    children.add(child)
-    child.on('exit', () => children.delete(child))
-    t.teardown(() => { child.kill('SIGKILL') })
-    const messages: Array<Record<string, unknown>> = []
-    const waiting: Array<() => void> = []
-    createInterface({ input: child.stdout as NodeJS.ReadableStream }).on('line', (line) => {
-      try { messages.push(JSON.parse(line) as Record<string, unknown>) } catch { return }
-      for (const wake of waiting.splice(0)) wake()
-    })
-    const next = async (field: string): Promise<unknown> => {
-      const deadline = Date.now() + 15_000
-      for (;;) {
-        const index = messages.findIndex((m) => field in m)
-        if (index >= 0) return messages.splice(index, 1)[0]?.[field]
-        if (Date.now() > deadline || child.exitCode !== null) throw new Error(`fixture did not report ${field}`)
-        await new Promise<void>((resolve) => { waiting.push(resolve); setTimeout(resolve, 100) })
-      }
-    }
-    const port = await next('port') as number
-    return { child, port, next }
+  async function spawnInstance (t: Test, env: Record<string, string>): Promise<ChildApp> {
+    const instance = await spawnFixture(t, FIXTURE, { DATABASE_URL: url, IDEM_SCHEMA: schema, ...env })
+    children.add(instance.child)
+    instance.child.on('exit', () => children.delete(instance.child))
+    return instance
   }
 
   t.test('options are validated once, naming the option and the value', async (t) => {
