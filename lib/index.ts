@@ -37,9 +37,10 @@ export type { IdempotencyOptions, RecordRule, RouteIdempotencyOptions, ScopeFunc
 export { DECISION_CHANNEL, type DecisionEvent, type MeterLike, type Outcome } from './observe.js'
 export type { IdempotencyPrefilter, PrefilterHit } from './prefilter.js'
 export type { ProblemKind } from './problems.js'
+export type { RebuildFunction, RebuiltResponse } from './reference.js'
 export type { ProfileName } from './profiles.js'
 export type { IdempotencyKeyStatus } from './status-route.js'
 export type {
   ClaimAcquired, ClaimCompleted, ClaimInProgress, ClaimRequest, ClaimResult, Fingerprint,
-  IdempotencyStore, Lease, RecordId, StepResults, StoredRecord, StoredResponse
+  IdempotencyStore, Lease, OutboxEntry, RecordId, StepResults, StoredRecord, StoredResponse
 } from './store.js'
