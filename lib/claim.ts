@@ -8,15 +8,13 @@ import {
 import { SealedResponseError } from './encryption.js'
 import { renewWhileRunning } from './lease.js'
 import { RequestContext } from './recovery.js'
+import { scopeOf } from './scope.js'
 import { isReference, sendRebuilt } from './reference.js'
 import { consultPrefilter, markInFlight, rememberCompleted } from './prefiltering.js'
 import { abandon } from './settle.js'
 import type { ClaimAcquired, ClaimCompleted, ClaimInProgress, ClaimRequest, ClaimResult, Fingerprint, StoredResponse } from './store.js'
 import { withTimeout } from './timeout.js'
 import { localId } from './waiters.js'
-
-/** A lone surrogate (\p{Cs} in a u-mode pattern matches only unpaired ones) or NUL. */
-const MALFORMED_SCOPE = /[\p{Cs}\0]/u
 
 /** Polling of a store for an in-flight original owned by another process: 10 ms, doubling to 250 ms. */
 const FIRST_POLL_MS = 10
@@ -29,16 +27,7 @@ const MAX_POLL_MS = 250
  */
 export async function claimKey (engine: Engine, request: FastifyRequest, reply: FastifyReply, state: RequestState): Promise<FastifyReply | undefined> {
   const settings = state.settings
-  const scope = settings.scope === null ? '' : await settings.scope(request)
-  if (typeof scope !== 'string') {
-    throw new TypeError(`fastify-idempotency: the scope function must return a string; it returned ${scope === null ? 'null' : typeof scope}`)
-  }
-  // A lone surrogate has no UTF-8 form: a driver that stores text as UTF-8 (Postgres) would turn
-  // '\ud800' and '\udbff' into the same U+FFFD, merging two principals' keys (draft §5). NUL has no
-  // place in a text column either. Refused loudly: a scope is the app's value, not the client's.
-  if (MALFORMED_SCOPE.test(scope)) {
-    throw new TypeError('fastify-idempotency: the scope function returned a string with a lone surrogate or a NUL character; scopes must be well-formed text (encode binary ids, e.g. as hex)')
-  }
+  const scope = await scopeOf(settings.scope, request)
   state.scope = scope
   const fingerprint = await fingerprintOf(request, state)
   state.context = new RequestContext(state.key, scope, fingerprint, engine, state)

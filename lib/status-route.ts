@@ -2,6 +2,7 @@ import type { FastifyInstance, FastifyReply, FastifyRequest } from 'fastify'
 import { answer, type Engine } from './engine.js'
 import type { GlobalSettings, StatusRouteSettings } from './options.js'
 import type { StoredRecord } from './store.js'
+import { scopeOf } from './scope.js'
 import { withTimeout } from './timeout.js'
 
 /** What the status route answers (200, `application/json`) for a key the caller has a record of. */
@@ -40,10 +41,7 @@ export function registerStatusRoute (fastify: FastifyInstance, engine: Engine, g
     const invalid = invalidKey(key, settings.maxKeyLength)
     if (invalid !== null) return answer(engine, null, reply, { kind: 'key-invalid', detail: invalid })
 
-    const scope = settings.scope === null ? '' : await settings.scope(request)
-    if (typeof scope !== 'string') {
-      throw new TypeError(`fastify-idempotency: the scope function must return a string; it returned ${scope === null ? 'null' : typeof scope}`)
-    }
+    const scope = await scopeOf(settings.scope, request)
     let record: StoredRecord | null
     try {
       record = await withTimeout('get', settings.storeTimeout, () => engine.store.get({ scope, key }))

@@ -66,3 +66,20 @@ t.test('a scope containing NUL is refused by the plugin (500, logged), the handl
   t.equal(h.runs(), 2)
   t.ok(h.errors.some((line) => /lone surrogate or a NUL/.test(line)), 'the reason is logged')
 })
+
+t.test('the status route refuses a lone-surrogate scope too: it cannot read the U+FFFD scope\'s key', async (t) => {
+  const pg = postgresFixture(t)
+  if (pg === null) return
+  const store = await pg.store('status')
+  const scopes = ['\ufffd', '\ud800']
+  const app = Fastify()
+  t.teardown(() => app.close())
+  await app.register(idempotency, { store, scope: (request) => scopes[Number(request.headers['x-principal'])] as string, statusRoute: '/idempotency-keys/:key' })
+  app.post('/pay', async (_request, reply) => reply.code(201).send({ secret: 'of principal 0' }))
+  t.equal((await pay(app, 0)).statusCode, 201)
+  const own = await app.inject({ method: 'GET', url: '/idempotency-keys/k', headers: { 'x-principal': '0' } })
+  t.equal(own.statusCode, 200, 'the owner sees its key')
+  const other = await app.inject({ method: 'GET', url: '/idempotency-keys/k', headers: { 'x-principal': '1' } })
+  t.equal(other.statusCode, 500, 'a scope PostgreSQL would turn into U+FFFD is refused, not looked up')
+  t.notOk(other.body.includes('completed'), 'nothing of the other principal\'s record')
+})

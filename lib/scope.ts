@@ -1,0 +1,22 @@
+import type { FastifyRequest } from 'fastify'
+import type { ScopeFunction } from './options.js'
+
+/** A lone surrogate (\p{Cs} in a u-mode pattern matches only unpaired ones) or NUL. */
+const MALFORMED_SCOPE = /[\p{Cs}\0]/u
+
+/**
+ * The principal that owns the request's keys, as claims and the status route both read it. A lone
+ * surrogate has no UTF-8 form: a driver that stores text as UTF-8 (Postgres) would turn '\ud800' and
+ * '\udbff' into the same U+FFFD, merging two principals' keys (draft §5), and NUL has no place in a
+ * text column. Refused loudly: a scope is the app's value, not the client's.
+ */
+export async function scopeOf (scope: ScopeFunction | null, request: FastifyRequest): Promise<string> {
+  const value: unknown = scope === null ? '' : await scope(request)
+  if (typeof value !== 'string') {
+    throw new TypeError(`fastify-idempotency: the scope function must return a string; it returned ${value === null ? 'null' : typeof value}`)
+  }
+  if (MALFORMED_SCOPE.test(value)) {
+    throw new TypeError('fastify-idempotency: the scope function returned a string with a lone surrogate or a NUL character; scopes must be well-formed text (encode binary ids, e.g. as hex)')
+  }
+  return value
+}
