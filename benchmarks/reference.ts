@@ -46,6 +46,21 @@ function payment (id: string, amount: number): Record<string, unknown> {
   }
 }
 
+/** Loads a setup's POST /pay with the key `nextKey()` gives each request; requests per second, or a throw on any error or non-2xx. */
+async function load (setup: Setup, bounds: { amount: number } | { duration: number, sampleInt: number }, nextKey: () => string, what: string): Promise<number> {
+  const result = await autocannon({
+    url: `${setup.url}/pay`,
+    method: 'POST',
+    connections: CONNECTIONS,
+    ...bounds,
+    headers: { 'content-type': 'application/json' },
+    body: '{"amount":1000}',
+    requests: [{ setupRequest: (request) => ({ ...request, headers: { ...request.headers, 'idempotency-key': `"${nextKey()}"` } }) }]
+  })
+  if (result.errors > 0 || result.non2xx > 0) throw new Error(`${setup.name}: ${result.errors} errors, ${result.non2xx} non-2xx while ${what}`)
+  return result.requests.total / result.duration
+}
+
 async function main (): Promise<void> {
   let stopServices: (() => Promise<void>) | null = null
   let url = process.env.DATABASE_URL
@@ -69,7 +84,7 @@ async function main (): Promise<void> {
       const store = postgresStore({ sql, schema, table, purgeInterval: 0 })
       await store.migrate()
       const app = Fastify()
-      await app.register(idempotency, { store, scope: () => 'bench', openapi: process.env.BENCH_OPENAPI !== '0' })
+      await app.register(idempotency, { store, scope: () => 'bench' })
       const rebuild = async (reference: unknown): Promise<{ body: unknown }> => {
         const [row] = await sql`SELECT body FROM ${sql(schema)}.payments WHERE id = ${(reference as { id: string }).id}`
         return { body: row?.body }
@@ -90,17 +105,7 @@ async function main (): Promise<void> {
     const fresh: Record<string, number> = {}
     for (const setup of setups) {
       let n = 0
-      const result = await autocannon({
-        url: `${setup.url}/pay`,
-        method: 'POST',
-        connections: CONNECTIONS,
-        amount: RECORDS,
-        headers: { 'content-type': 'application/json' },
-        body: '{"amount":1000}',
-        requests: [{ setupRequest: (request) => ({ ...request, headers: { ...request.headers, 'idempotency-key': `"${setup.name}-${n++}"` } }) }]
-      })
-      if (result.errors > 0 || result.non2xx > 0) throw new Error(`${setup.name}: ${result.errors} errors, ${result.non2xx} non-2xx while filling`)
-      fresh[setup.name] = result.requests.total / result.duration
+      fresh[setup.name] = await load(setup, { amount: RECORDS }, () => `${setup.name}-${n++}`, 'filling')
     }
 
     const storage: Record<string, { records: number, tableBytes: number, bodyBytesPerRecord: number }> = {}
@@ -118,18 +123,7 @@ async function main (): Promise<void> {
     for (let round = 0; round < ROUNDS; round++) {
       for (const setup of setups) {
         let n = 0
-        const result = await autocannon({
-          url: `${setup.url}/pay`,
-          method: 'POST',
-          connections: CONNECTIONS,
-          duration: SECONDS,
-          sampleInt: 100,
-          headers: { 'content-type': 'application/json' },
-          body: '{"amount":1000}',
-          requests: [{ setupRequest: (request) => ({ ...request, headers: { ...request.headers, 'idempotency-key': `"${setup.name}-${n++ % REPLAY_KEYS}"` } }) }]
-        })
-        if (result.errors > 0 || result.non2xx > 0) throw new Error(`${setup.name}: ${result.errors} errors, ${result.non2xx} non-2xx while replaying`)
-        replay[setup.name]?.push(result.requests.total / result.duration)
+        replay[setup.name]?.push(await load(setup, { duration: SECONDS, sampleInt: 100 }, () => `${setup.name}-${n++ % REPLAY_KEYS}`, 'replaying'))
       }
     }
     const median = (values: number[]): number => [...values].sort((a, b) => a - b)[Math.floor(values.length / 2)] ?? NaN
