@@ -2,6 +2,7 @@ import type { FastifyInstance, FastifyReply, FastifyRequest } from 'fastify'
 import { answer, type Engine } from './engine.js'
 import type { GlobalSettings, StatusRouteSettings } from './options.js'
 import type { StoredRecord } from './store.js'
+import { observe } from './observe.js'
 import { scopeOf } from './scope.js'
 import { withTimeout } from './timeout.js'
 
@@ -37,6 +38,7 @@ const UTF8 = new TextDecoder('utf-8', { fatal: true, ignoreBOM: true })
 export function registerStatusRoute (fastify: FastifyInstance, engine: Engine, global: GlobalSettings, route: StatusRouteSettings): void {
   const settings = global.route
   async function idempotencyKeyStatus (request: FastifyRequest, reply: FastifyReply): Promise<FastifyReply> {
+    const startedAt = performance.now()
     const key = (request.params as { key?: string }).key ?? ''
     const invalid = invalidKey(key, settings.maxKeyLength)
     if (invalid !== null) return answer(engine, null, reply, { kind: 'key-invalid', detail: invalid })
@@ -47,7 +49,7 @@ export function registerStatusRoute (fastify: FastifyInstance, engine: Engine, g
       record = await withTimeout('get', settings.storeTimeout, () => engine.store.get({ scope, key }))
     } catch (err) {
       // Nothing runs on this route, so `onStoreError: 'bypass'` has nothing to bypass: always 503.
-      request.log.error({ idempotency: { outcome: 'store_error', scope }, err }, 'idempotency: store failed on a key status lookup; answering 503')
+      observe(engine.metrics, { key, scope, log: request.log, request, startedAt }, 'store_error', 'error', 'idempotency: store failed on a key status lookup; answering 503', err)
       return answer(engine, null, reply, { kind: 'store-unavailable', retryAfter: settings.retryAfter })
     }
     if (record === null) return answer(engine, null, reply, { kind: 'key-unknown' })

@@ -144,3 +144,16 @@ t.test('at level info, the normal path logs nothing (and builds no log object)',
   await pay(instance, '"quiet"', { amount: 5 })
   t.same(lines.filter((line) => line.idempotency !== undefined).map((line) => line.idempotency.outcome), ['mismatch'])
 })
+
+t.test('the status route\'s store failures go through the same decision path (log and metrics)', async (t) => {
+  const { meter, added } = fakeMeter()
+  const memory = memoryStore({ purgeInterval: 0 })
+  t.teardown(() => memory.close())
+  const store: IdempotencyStore = { ...memory, get: async () => { throw new Error('database down') } }
+  const { app: instance, lines } = await app(t, { store, metrics: meter, statusRoute: '/idempotency-keys/:key' })
+  const res = await instance.inject({ method: 'GET', url: '/idempotency-keys/abc', headers: { 'x-account': 'acct_a' } })
+  t.equal(res.statusCode, 503)
+  t.same(added.map((entry) => entry.attributes), [{ outcome: 'store_error', method: 'GET', route: '/idempotency-keys/:key' }])
+  const line = lines.find((entry) => entry.idempotency?.outcome === 'store_error')
+  t.same([line?.level, line?.idempotency.scope, line?.idempotency.key, line?.err?.message], [50, 'acct_a', 'abc', 'database down'])
+})
