@@ -365,7 +365,7 @@ export function memoryStore (options: MemoryStoreOptions = {}): MemoryStore {
     reconcile: (options: ReconcileOptions) => reconcileWith(reconcileSource, options, 'memoryStore.reconcile'),
 
     startReconciler: (options: ReconcilerOptions) =>
-      startReconcilerWith(() => reconcileWith(reconcileSource, options, 'memoryStore.reconcile'), options, 'memoryStore.startReconciler'),
+      startReconcilerWith(reconcileSource, options, 'memoryStore.startReconciler'),
 
     async close (): Promise<void> {
       closed = true

@@ -140,7 +140,10 @@ export function resolveReconcileOptions (options: ReconcileOptions, caller: stri
  * handled one at a time: `resolve` usually calls a provider, and a pass should not flood it.
  */
 export async function reconcileWith (source: ReconcileSource, options: ReconcileOptions, caller: string): Promise<ReconcileReport> {
-  const settings = resolveReconcileOptions(options, caller)
+  return await reconcilePass(source, resolveReconcileOptions(options, caller))
+}
+
+async function reconcilePass (source: ReconcileSource, settings: ResolvedReconcileOptions): Promise<ReconcileReport> {
   const report = { examined: 0, completed: 0, released: 0, resumed: 0, left: 0, errors: [] as Array<{ scope: string, key: string, error: unknown }> }
   const candidates = await source.findStuck(settings.olderThan, settings.limit)
   for (const candidate of candidates) {
@@ -216,18 +219,24 @@ export function storedResponse (response: ResolvedResponse): StoredResponse {
   return { statusCode: status, headers, body: bytes }
 }
 
+/** What a driver adds around each pass of its reconciler. */
+export interface PassHooks {
+  /**
+   * Wraps a pass in the driver's cross-process lock (Postgres: an advisory lock), returning false
+   * when another instance holds it, so one reconciler runs at a time however many instances start one.
+   */
+  readonly exclusive?: (run: () => Promise<void>) => Promise<boolean>
+  /** Runs after each pass, inside the lock (Postgres: the outbox's leftovers, up to `limit`). */
+  readonly afterPass?: (limit: number) => Promise<unknown>
+}
+
 /**
- * Runs `pass` every `interval` ms, one pass at a time, until stopped. `exclusive` wraps a pass in the
- * driver's cross-process lock (Postgres: an advisory lock), returning false when another instance
- * holds it, so one reconciler runs at a time however many instances start one.
+ * Runs a reconcile pass every `interval` ms, one pass at a time, until stopped. The options are
+ * validated once, here: every pass reuses them.
  */
-export function startReconcilerWith (
-  pass: () => Promise<ReconcileReport>,
-  options: ReconcilerOptions,
-  caller: string,
-  exclusive: (run: () => Promise<void>) => Promise<boolean> = async (run) => { await run(); return true }
-): Reconciler {
-  resolveReconcileOptions(options, caller)
+export function startReconcilerWith (source: ReconcileSource, options: ReconcilerOptions, caller: string, hooks: PassHooks = {}): Reconciler {
+  const settings = resolveReconcileOptions(options, caller)
+  const exclusive = hooks.exclusive ?? (async (run) => { await run(); return true })
   const interval = integerOption(`${caller} option "interval"`, options.interval, 30_000, 1, MAX_TIMER_MS, 'ms')
   for (const name of ['onError', 'onReport'] as const) {
     if (options[name] !== undefined && typeof options[name] !== 'function') throw new InvalidOptionError(`${caller} option "${name}"`, 'a function', options[name])
@@ -237,7 +246,8 @@ export function startReconcilerWith (
   const tick = (): void => {
     if (stopped || running !== null) return
     running = exclusive(async () => {
-      const report = await pass()
+      const report = await reconcilePass(source, settings)
+      await hooks.afterPass?.(settings.limit)
       for (const failure of report.errors) options.onError?.(failure.error, { scope: failure.scope, key: failure.key })
       options.onReport?.(report)
     }).then(() => {}, (error: unknown) => { options.onError?.(error) }).finally(() => { running = null })

@@ -247,11 +247,10 @@ export function postgresStore (options: PostgresStoreOptions): PostgresStore {
       if (typeof max === 'number' && max < 2) {
         throw new TypeError(`fastify-idempotency: startReconciler needs a postgres client with at least 2 connections (max: ${max}): one holds the lock while the pass runs on another`)
       }
-      return startReconcilerWith(async () => {
-        const report = await reconcileWith(reconcileSource, options, 'postgresStore.reconcile')
-        if (outbox !== null) await outbox.deliverDue(options.limit ?? 100)
-        return report
-      }, options, 'postgresStore.startReconciler', exclusively)
+      return startReconcilerWith(reconcileSource, options, 'postgresStore.startReconciler', {
+        exclusive: exclusively,
+        afterPass: outbox === null ? undefined : async (limit) => await outbox.deliverDue(limit)
+      })
     },
 
     enqueue: async (transaction, message) => await requireOutbox().enqueue(transaction, message),
