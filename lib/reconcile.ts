@@ -3,7 +3,7 @@ import { sealResponse } from './encryption.js'
 import { InvalidOptionError } from './errors.js'
 import { resolveKeyring, type EncryptionOptions, type Keyring } from './keyring.js'
 import type { Fingerprint, Lease, RecordId, StepResults, StoredResponse } from './store.js'
-import { integerOption, MAX_TIMER_MS } from './validate.js'
+import { callbackOption, integerOption, MAX_TIMER_MS } from './validate.js'
 
 /**
  * Reconciliation: the seeds' answer to effects that cannot share the store's transaction. A record
@@ -238,9 +238,8 @@ export function startReconcilerWith (source: ReconcileSource, options: Reconcile
   const settings = resolveReconcileOptions(options, caller)
   const exclusive = hooks.exclusive ?? (async (run) => { await run(); return true })
   const interval = integerOption(`${caller} option "interval"`, options.interval, 30_000, 1, MAX_TIMER_MS, 'ms')
-  for (const name of ['onError', 'onReport'] as const) {
-    if (options[name] !== undefined && typeof options[name] !== 'function') throw new InvalidOptionError(`${caller} option "${name}"`, 'a function', options[name])
-  }
+  const onError = callbackOption(`${caller} option "onError"`, options.onError)
+  const onReport = callbackOption(`${caller} option "onReport"`, options.onReport)
   let stopped = false
   let running: Promise<void> | null = null
   const tick = (): void => {
@@ -248,9 +247,9 @@ export function startReconcilerWith (source: ReconcileSource, options: Reconcile
     running = exclusive(async () => {
       const report = await reconcilePass(source, settings)
       await hooks.afterPass?.(settings.limit)
-      for (const failure of report.errors) options.onError?.(failure.error, { scope: failure.scope, key: failure.key })
-      options.onReport?.(report)
-    }).then(() => {}, (error: unknown) => { options.onError?.(error) }).finally(() => { running = null })
+      for (const failure of report.errors) onError?.(failure.error, { scope: failure.scope, key: failure.key })
+      onReport?.(report)
+    }).then(() => {}, (error: unknown) => { onError?.(error) }).finally(() => { running = null })
   }
   const timer = setInterval(tick, interval)
   timer.unref()

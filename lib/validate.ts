@@ -14,3 +14,10 @@ export function integerOption (name: string, value: unknown, fallback: number, m
   }
   return value
 }
+
+/** An optional callback option: null when absent, else a function, or an InvalidOptionError naming it. */
+export function callbackOption<T> (name: string, value: T | undefined): T | null {
+  if (value === undefined) return null
+  if (typeof value !== 'function') throw new InvalidOptionError(name, 'a function', value)
+  return value
+}

@@ -1,6 +1,6 @@
 import type { Sql } from 'postgres'
 import { InvalidOptionError } from '../../lib/errors.js'
-import { integerOption, MAX_TIMER_MS } from '../../lib/validate.js'
+import { callbackOption, integerOption, MAX_TIMER_MS } from '../../lib/validate.js'
 import { resolveOutboxOptions, type OutboxOptions, type ResolvedOutboxOptions } from './outbox.js'
 
 /**
@@ -79,14 +79,8 @@ export function resolveStoreOptions (options: PostgresStoreOptions): ResolvedSto
     purgeInterval: integerOption('postgresStore option "purgeInterval"', options.purgeInterval, 60_000, 0, MAX_TIMER_MS),
     purgeBatch: integerOption('postgresStore option "purgeBatch"', options.purgeBatch, 1000, 1, MAX_TIMER_MS),
     outbox: resolveOutboxOptions(options.outbox),
-    onBackgroundError: resolveCallback('postgresStore option "onBackgroundError"', options.onBackgroundError)
+    onBackgroundError: callbackOption('postgresStore option "onBackgroundError"', options.onBackgroundError)
   })
-}
-
-function resolveCallback<T> (name: string, value: T | undefined): T | null {
-  if (value === undefined) return null
-  if (typeof value !== 'function') throw new InvalidOptionError(name, 'a function', value)
-  return value
 }
 
 export function resolveNames (options: TableOptions, caller: string): ResolvedNames {
