@@ -193,6 +193,7 @@ export function memoryStore (options: MemoryStoreOptions = {}): MemoryStore {
       if (entry === undefined || entry.state !== 'in_progress' || entry.token !== candidate.token || entry.leaseUntil + olderThanMs > at) return null
       entry.token = randomUUID()
       entry.leaseUntil = at + leaseMs
+      outliveLease(entry)
       return {
         lease: { scope: candidate.scope, key: candidate.key, token: entry.token },
         fingerprint: fingerprintOf(entry),
@@ -203,11 +204,14 @@ export function memoryStore (options: MemoryStoreOptions = {}): MemoryStore {
     },
     complete: (lease, response, ttlMs) => store.complete(lease, response, ttlMs),
     release: (lease) => store.release(lease),
-    async resume (lease) {
-      const entry = owned(lease, now())
+    async resume (lease, ttlMs) {
+      const at = now()
+      const entry = owned(lease, at)
       if (entry === undefined) return false
       entry.indeterminate = false
-      entry.leaseUntil = now()
+      entry.leaseUntil = at
+      // No longer held: it expires again, but not before a retry had the time to take it over.
+      entry.expiresAt = Number.isFinite(entry.expiresAt) ? Math.max(entry.expiresAt, at + ttlMs) : at + ttlMs
       return true
     },
     async leave (lease, wasIndeterminate) {
@@ -258,6 +262,9 @@ export function memoryStore (options: MemoryStoreOptions = {}): MemoryStore {
       if (entry.state === 'in_progress' && entry.leaseUntil <= at && !entry.indeterminate && fingerprintsEqual(fingerprintOf(entry), request.fingerprint)) {
         entry.token = randomUUID()
         entry.leaseUntil = at + request.leaseMs
+        // The record lives at least a ttl from now, as a newly created one would.
+        entry.expiresAt = Math.max(entry.expiresAt, at + request.ttlMs)
+        outliveLease(entry)
         return { outcome: 'acquired', lease: { scope: request.scope, key: request.key, token: entry.token }, takeover: true }
       }
       if (entry.state === 'completed') {
@@ -299,6 +306,7 @@ export function memoryStore (options: MemoryStoreOptions = {}): MemoryStore {
       const entry = owned(lease, at)
       if (entry === undefined) return false
       entry.leaseUntil = at + leaseMs
+      outliveLease(entry)
       return true
     },
 
@@ -329,10 +337,14 @@ export function memoryStore (options: MemoryStoreOptions = {}): MemoryStore {
     },
 
     async hold (lease: Lease): Promise<boolean> {
-      const entry = owned(lease, now())
+      const at = now()
+      const entry = owned(lease, at)
       if (entry === undefined) return false
       entry.indeterminate = true
-      entry.leaseUntil = now()
+      entry.leaseUntil = at
+      // Never expires while held: reclaimed as a fresh record at its ttl, it would lose its steps and
+      // a retry would repeat effects that happened. The reconciler or an operator resolves it.
+      entry.expiresAt = Infinity
       return true
     },
 
@@ -376,6 +388,11 @@ export function memoryStore (options: MemoryStoreOptions = {}): MemoryStore {
     }
   }
   return store
+}
+
+/** The store contract's rule (lib/store.ts): an in-progress record never expires while its lease is live. */
+function outliveLease (entry: Entry): void {
+  if (entry.expiresAt < entry.leaseUntil) entry.expiresAt = entry.leaseUntil
 }
 
 function fingerprintOf (entry: Entry): Fingerprint {
