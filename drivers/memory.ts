@@ -169,11 +169,6 @@ export function memoryStore (options: MemoryStoreOptions = {}): MemoryStore {
     bytes -= size
   }
 
-  function stepsOf (entry: Entry): StepResults {
-    const steps: Record<string, unknown> = {}
-    if (entry.steps !== null) for (const [name, json] of entry.steps) steps[name] = JSON.parse(json)
-    return steps
-  }
 
   const reconcileSource: ReconcileSource = {
     async findStuck (olderThanMs, limit) {
@@ -351,19 +346,17 @@ export function memoryStore (options: MemoryStoreOptions = {}): MemoryStore {
     async inspect (id: RecordId): Promise<InspectedRecord | null> {
       const at = now()
       const entry = live(idOf(id.scope, id.key), at)
-      if (entry === undefined) return null
-      return {
-        scope: id.scope,
-        key: id.key,
-        state: entry.state,
-        fingerprint: fingerprintOf(entry),
-        indeterminate: entry.indeterminate,
-        steps: stepsOf(entry),
-        createdAt: new Date(entry.createdAt),
-        leaseRemainingMs: entry.state === 'in_progress' ? Math.max(0, entry.leaseUntil - at) : 0,
-        expiresInMs: entry.expiresAt - at,
-        response: entry.state === 'completed' ? responseOf(entry) : null
+      return entry === undefined ? null : inspected(id, entry, at)
+    },
+
+    async listHeld (limit?: number): Promise<InspectedRecord[]> {
+      const most = integerOption('memoryStore.listHeld(limit)', limit, 100, 1, 100_000)
+      const at = now()
+      const held: InspectedRecord[] = []
+      for (const [id, entry] of entries) {
+        if (entry.state === 'in_progress' && entry.indeterminate) held.push(inspected(keyOf(id), entry, at))
       }
+      return held.sort((a, b) => a.createdAt.getTime() - b.createdAt.getTime()).slice(0, most)
     },
 
     async forceRelease (id: RecordId): Promise<boolean> {
@@ -393,6 +386,27 @@ export function memoryStore (options: MemoryStoreOptions = {}): MemoryStore {
 /** The store contract's rule (lib/store.ts): an in-progress record never expires while its lease is live. */
 function outliveLease (entry: Entry): void {
   if (entry.expiresAt < entry.leaseUntil) entry.expiresAt = entry.leaseUntil
+}
+
+function stepsOf (entry: Entry): StepResults {
+  const steps: Record<string, unknown> = {}
+  if (entry.steps !== null) for (const [name, json] of entry.steps) steps[name] = JSON.parse(json)
+  return steps
+}
+
+function inspected (id: RecordId, entry: Entry, at: number): InspectedRecord {
+  return {
+    scope: id.scope,
+    key: id.key,
+    state: entry.state,
+    fingerprint: fingerprintOf(entry),
+    indeterminate: entry.indeterminate,
+    steps: stepsOf(entry),
+    createdAt: new Date(entry.createdAt),
+    leaseRemainingMs: entry.state === 'in_progress' ? Math.max(0, entry.leaseUntil - at) : 0,
+    expiresInMs: entry.expiresAt - at,
+    response: entry.state === 'completed' ? responseOf(entry) : null
+  }
 }
 
 function fingerprintOf (entry: Entry): Fingerprint {

@@ -18,6 +18,7 @@ export interface Recovery {
   runStepInTransaction (lease: Lease, name: string, fn: (transaction: unknown) => Promise<unknown>, toJson: (value: unknown) => string): Promise<string | null>
   hold (lease: Lease): Promise<boolean>
   inspect (id: RecordId): Promise<InspectedRecord | null>
+  listHeld (limit: number): Promise<InspectedRecord[]>
   forceRelease (id: RecordId): Promise<boolean>
   /** The reconciler's view of the table; complete/release are the lease-mode statements. */
   source (complete: ReconcileSource['complete'], release: ReconcileSource['release']): ReconcileSource
@@ -76,12 +77,18 @@ export function createRecovery (sql: PostgresClient, names: ResolvedNames): Reco
         expires_at = CASE WHEN expires_at = 'infinity' THEN now() + ${ms(4)} ELSE greatest(expires_at, now() + ${ms(4)}) END
     WHERE ${owned}`
 
-  const inspectText = `
-    SELECT state, fingerprint_algorithm, fingerprint, indeterminate, steps, created_at,
+  const inspectColumns = `state, fingerprint_algorithm, fingerprint, indeterminate, steps, created_at,
       CASE WHEN state = 'in_progress' THEN greatest(0, ceil((extract(epoch FROM lease_expires_at) - extract(epoch FROM now())) * 1000)) ELSE 0 END::float8,
       greatest(0, floor((extract(epoch FROM expires_at) - extract(epoch FROM now())) * 1000))::float8,
-      response_status, response_headers, response_body
-    FROM ${table} WHERE scope = $1 AND key = $2 AND expires_at > now()`
+      response_status, response_headers, response_body`
+  const inspectText = `SELECT ${inspectColumns} FROM ${table} WHERE scope = $1 AND key = $2 AND expires_at > now()`
+
+  // Held records use the partial index of in-progress records; the set is small by design (it only
+  // grows when indeterminate failures are not reconciled).
+  const listHeldText = `
+    SELECT scope, key, ${inspectColumns} FROM ${table}
+    WHERE state = 'in_progress' AND indeterminate
+    ORDER BY created_at LIMIT $1::int`
 
   const forceReleaseText = `DELETE FROM ${table} WHERE scope = $1 AND key = $2 AND state = 'in_progress'`
 
@@ -132,20 +139,12 @@ export function createRecovery (sql: PostgresClient, names: ResolvedNames): Reco
     async inspect (id) {
       const rows = await run(inspectText, [id.scope, id.key]).values()
       const row = rows[0] as InspectColumns | undefined
-      if (row === undefined) return null
-      const [state, algorithm, digest, indeterminate, steps, createdAt, leaseRemaining, expiresIn, status, headers, body] = row
-      return {
-        scope: id.scope,
-        key: id.key,
-        state,
-        fingerprint: { algorithm, digest },
-        indeterminate,
-        steps: decodeSteps(steps),
-        createdAt,
-        leaseRemainingMs: leaseRemaining,
-        expiresInMs: expiresIn,
-        response: state === 'completed' && status !== null ? { statusCode: status, headers: headers ?? {}, body } : null
-      }
+      return row === undefined ? null : inspected(id, row)
+    },
+
+    async listHeld (limit) {
+      const rows = await run(listHeldText, [limit]).values() as unknown as Array<[string, string, ...InspectColumns]>
+      return rows.map(([scope, key, ...columns]) => inspected({ scope, key }, columns))
     },
 
     async forceRelease (id) {
@@ -179,6 +178,22 @@ export function createRecovery (sql: PostgresClient, names: ResolvedNames): Reco
         }
       }
     }
+  }
+}
+
+function inspected (id: RecordId, row: InspectColumns): InspectedRecord {
+  const [state, algorithm, digest, indeterminate, steps, createdAt, leaseRemaining, expiresIn, status, headers, body] = row
+  return {
+    scope: id.scope,
+    key: id.key,
+    state,
+    fingerprint: { algorithm, digest },
+    indeterminate,
+    steps: decodeSteps(steps),
+    createdAt,
+    leaseRemainingMs: leaseRemaining,
+    expiresInMs: expiresIn,
+    response: state === 'completed' && status !== null ? { statusCode: status, headers: headers ?? {}, body } : null
   }
 }
 

@@ -224,11 +224,14 @@ export function boundaryScenarios (t: Test, env: BoundaryEnvironment): void {
     t.equal(inspected?.indeterminate, true, 'purgeExpired left it; inspect shows it held')
     t.same(inspected?.steps, { charge: { id: 'ch_1' } })
     t.equal(inspected?.expiresInMs, Infinity, 'a held record does not expire')
+    t.same((await store.listHeld()).map((record) => [record.key, record.steps]), [['held', { charge: { id: 'ch_1' } }]], 'listHeld shows it to operators')
+    await t.rejects(store.listHeld(0), { code: 'FST_IDEMPOTENCY_INVALID_OPTION' }, 'listHeld(limit) is validated')
     const report = await store.reconcile({
       olderThan: 0,
       resolve: (record) => ({ action: 'complete', response: { statusCode: 201, body: record.steps.charge as object } })
     })
     t.match(report, { examined: 1, completed: 1, lost: 0 }, 'the reconciler found it after its ttl and resolved it')
+    t.same(await store.listHeld(), [], 'no longer held')
     const replay = await w.post('/charge', 'held')
     t.equal(replay.statusCode, 201)
     t.same(replay.json(), { id: 'ch_1' })
