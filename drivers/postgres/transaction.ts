@@ -40,12 +40,16 @@ export interface Transactions {
   owns (token: string): boolean
   commit (lease: Lease, response: StoredResponse, ttlMs: number): Promise<boolean>
   rollback (lease: Lease): Promise<boolean>
-  /** How many transactions are open (for tests and metrics: zero when idle means nothing leaked). */
+  /**
+   * How many transactions have not ended yet, counted until postgres.js has finished their COMMIT
+   * or ROLLBACK (for tests and metrics: zero when idle means nothing leaked).
+   */
   readonly size: number
 }
 
 export function createTransactions (sql: PostgresClient, names: ResolvedNames): Transactions {
   const open = new Map<string, OpenTransaction>()
+  let unfinished = 0
 
   function claimInTransaction (request: ClaimRequest & { readonly waitMs: number }): Promise<ClaimResult> {
     const token = randomUUID()
@@ -56,6 +60,7 @@ export function createTransactions (sql: PostgresClient, names: ResolvedNames): 
       let decide!: (decision: Decision) => void
       const decided = new Promise<Decision>((resolve) => { decide = resolve })
 
+      unfinished++
       const finished = sql.begin(async (tx) => {
         const statements = createStatements(tx, names)
         const outcome = await claimWithin(tx, statements, request, token)
@@ -91,9 +96,10 @@ export function createTransactions (sql: PostgresClient, names: ResolvedNames): 
         }
       })
       finished.then(
-        () => { open.delete(token) },
+        () => { open.delete(token); unfinished-- },
         (err: unknown) => {
           open.delete(token)
+          unfinished--
           if (acquired || err === ROLLBACK) return
           if ((err as { code?: unknown } | null)?.code === LOCK_TIMEOUT) {
             // Blocked for `waitMs` on an uncommitted claim of the same key: in progress. Its
@@ -121,7 +127,7 @@ export function createTransactions (sql: PostgresClient, names: ResolvedNames): 
     owns: (token) => open.has(token),
     commit: (lease, response, ttlMs) => settle(lease, { response, ttlMs }),
     rollback: (lease) => settle(lease, null),
-    get size () { return open.size }
+    get size () { return unfinished }
   }
 }
 
