@@ -4,7 +4,7 @@ import type { FastifyInstance, FastifyReply, FastifyServerOptions, InjectOptions
 import t, { type Test } from 'tap'
 import { memoryStore, type IdempotencyOptions, type IdempotencyStore } from '../lib/index.js'
 import type { StoredRecord } from '../lib/store.js'
-import { buildApp, deferred, keyed, PROBLEM_TYPE, sleep } from './helpers/app.js'
+import { buildApp, deferred, eventually, keyed, PROBLEM_TYPE, sleep } from './helpers/app.js'
 
 /*
  * Behaviour 9 of the contract: a handler failure (a thrown error, or a response the `record` rule
@@ -29,15 +29,6 @@ function pay (key: string, payload: object = { amount: 100 }): InjectOptions {
   return { method: 'POST', url: '/pay', headers: keyed(key), payload }
 }
 
-/** Polls until `check` holds (every 10 ms, at most `ms`); returns whether it did. A bound, not a speed assertion. */
-async function eventually (check: () => Promise<boolean> | boolean, ms = 3000): Promise<boolean> {
-  const until = Date.now() + ms
-  for (;;) {
-    if (await check()) return true
-    if (Date.now() > until) return false
-    await sleep(10)
-  }
-}
 
 /**
  * The shared second half of the release tests: right after the failed attempt the store holds

@@ -4,7 +4,7 @@ import { Readable, Writable } from 'node:stream'
 import Fastify, { type FastifyInstance } from 'fastify'
 import t, { type Test } from 'tap'
 import idempotency, { memoryStore, type IdempotencyOptions, type IdempotencyStore } from '../lib/index.js'
-import { buildApp, deferred, keyed, PROBLEM_TYPE, sleep } from './helpers/app.js'
+import { buildApp, deferred, eventually, keyed, PROBLEM_TYPE, sleep } from './helpers/app.js'
 
 /*
  * Issue 12: what happens to a key when settling its answer goes wrong (cases 6, 12, 13, 14, 15),
@@ -15,14 +15,6 @@ import { buildApp, deferred, keyed, PROBLEM_TYPE, sleep } from './helpers/app.js
 
 const SCOPE = 'test'
 
-async function eventually (check: () => Promise<boolean> | boolean, ms = 3000): Promise<boolean> {
-  const until = Date.now() + ms
-  for (;;) {
-    if (await check()) return true
-    if (Date.now() > until) return false
-    await sleep(10)
-  }
-}
 
 async function listen (app: FastifyInstance): Promise<number> {
   await app.listen({ host: '127.0.0.1', port: 0 })

@@ -5,7 +5,7 @@ import Fastify, { type FastifyInstance, type LightMyRequestResponse } from 'fast
 import type { Test } from 'tap'
 import idempotency, { LeaseLostError, type IdempotencyOptions, type IdempotencyStore } from '../../lib/index.js'
 import type { StoredRecord } from '../../lib/store.js'
-import { deferred, keyed, PROBLEM_TYPE, sleep } from './app.js'
+import { deferred, eventually, keyed, PROBLEM_TYPE, sleep } from './app.js'
 import type { RecoveryStore } from './recovery-scenarios.js'
 
 /**
@@ -36,15 +36,6 @@ interface World {
 
 const typeOf = (res: LightMyRequestResponse): string => (JSON.parse(res.body) as { type?: string }).type ?? ''
 
-/** Waits until `check` holds (a bound, not a speed assertion); returns whether it did. */
-async function eventually (check: () => Promise<boolean> | boolean, ms = 5000): Promise<boolean> {
-  const until = Date.now() + ms
-  for (;;) {
-    if (await check()) return true
-    if (Date.now() > until) return false
-    await sleep(10)
-  }
-}
 
 export function boundaryScenarios (t: Test, env: BoundaryEnvironment): void {
   async function world (t: Test, wrap: (store: RecoveryStore) => IdempotencyStore = (store) => store, options: IdempotencyOptions = {}): Promise<World> {
