@@ -109,7 +109,8 @@ export function trackHandler (handler: RouteHandlerMethod): RouteHandlerMethod {
       lifecycle.handlerReturned('threw')
       throw err
     }
-    if (result !== null && typeof result === 'object' && typeof (result as PromiseLike<unknown>).then === 'function') {
+    // A reply is a thenable too (it resolves once sent): a sync handler that returns it has returned.
+    if (result !== reply && result !== null && typeof result === 'object' && typeof (result as PromiseLike<unknown>).then === 'function') {
       (result as PromiseLike<unknown>).then(() => { lifecycle.handlerReturned('returned') }, () => { lifecycle.handlerReturned('threw') })
     } else {
       lifecycle.handlerReturned('returned')
