@@ -360,6 +360,11 @@ function resolveStatusRoute (value: unknown): StatusRouteSettings | null {
   if (typeof url !== 'string' || !STATUS_URL.test(url) || !url.split('/').includes(':key')) {
     throw new InvalidOptionError(name, "a path starting with / with a ':key' segment, such as '/idempotency-keys/:key'", url)
   }
+  // The route is also declared as `<path before :key>/*` (lib/status-route.ts), so what follows the key must be static.
+  const segments = url.split('/')
+  if (url.includes('*') || segments.slice(segments.indexOf(':key') + 1).some((segment) => segment.includes(':'))) {
+    throw new InvalidOptionError(name, "a path whose segments after ':key' are static, without '*'", url)
+  }
   return Object.freeze({
     url,
     includeBody: includeBody === undefined ? false : bool('option "statusRoute.includeBody"', includeBody)
