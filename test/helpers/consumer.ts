@@ -8,15 +8,16 @@ import { ROOT } from './markdown.js'
 /**
  * A throwaway project outside the repository that has the package installed as a user has it: its
  * node_modules links every dependency of the repository, and `fastify-idempotency` links the
- * repository itself, so imports go through package.json's `exports` to the built dist/.
+ * repository itself, so imports go through package.json's `exports` to the built dist/. Packages
+ * named in `without` are left out (to show the package runs without them).
  */
-export function consumerProject (t: Test, files: Record<string, string>): string {
+export function consumerProject (t: Test, files: Record<string, string>, without: readonly string[] = []): string {
   const dir = mkdtempSync(path.join(os.tmpdir(), 'fastify-idempotency-consumer-'))
   t.teardown(() => { rmSync(dir, { recursive: true, force: true }) })
   const modules = path.join(dir, 'node_modules')
   mkdirSync(modules)
   for (const name of readdirSync(path.join(ROOT, 'node_modules'))) {
-    if (name.startsWith('.')) continue
+    if (name.startsWith('.') || without.includes(name)) continue
     symlinkSync(path.join(ROOT, 'node_modules', name), path.join(modules, name), 'dir')
   }
   symlinkSync(ROOT, path.join(modules, 'fastify-idempotency'), 'dir')
