@@ -1,5 +1,5 @@
 import { spawn } from 'node:child_process'
-import { existsSync } from 'node:fs'
+import { existsSync, readFileSync } from 'node:fs'
 import path from 'node:path'
 import Fastify from 'fastify'
 import t from 'tap'
@@ -101,10 +101,16 @@ t.test('relative links resolve to files, and anchors to headings; absolute links
     if (anchor !== undefined && target.endsWith('.md') && !anchors(target).has(anchor)) problems.push(`${where} (no such heading in ${target})`)
   }
   t.same(problems, [])
+
+  // A page named in code text (`real-clients.md`) is a reference a reader follows too.
+  const named = markdownPages().flatMap((page) => [...readFileSync(path.join(ROOT, page), 'utf8').matchAll(/`([\w./-]+\.md)`/g)]
+    .map((m) => m[1] ?? '').filter((name) => !existsSync(path.join(ROOT, name)) && !existsSync(path.join(ROOT, 'docs', name)))
+    .map((name) => `${page}: ${name}`))
+  t.same(named, [], 'every page named in code text exists')
 })
 
 t.test('the README names every option, and exactly the ones that cannot be set per route', async (t) => {
-  const readme = (await import('node:fs')).readFileSync(path.join(ROOT, 'README.md'), 'utf8')
+  const readme = readFileSync(path.join(ROOT, 'README.md'), 'utf8')
   const table = readme.slice(readme.indexOf('## Options'), readme.indexOf('### Per route'))
   const documented = new Set([...table.matchAll(/^\| `(\w+)/gm)].map((m) => m[1] ?? '').filter((n) => n !== 'option'))
 
@@ -124,4 +130,17 @@ t.test('the README names every option, and exactly the ones that cannot be set p
   const sentence = /Every option above except ([^.]+?) can be set per route/s.exec(readme)?.[1] ?? ''
   const except = [...sentence.matchAll(/`(\w+)`/g)].map((m) => m[1] ?? '')
   t.same(except.sort(), registration.filter((n) => !perRoute.includes(n)).sort(), 'the registration-only options are named exactly')
+})
+
+t.test('the README is a front page: under 40 KB, a table of contents, the install line and the commands for a clone near its top', async (t) => {
+  const readme = readFileSync(path.join(ROOT, 'README.md'), 'utf8')
+  t.ok(Buffer.byteLength(readme) < 40_000, `${Buffer.byteLength(readme)} bytes (the registry truncates at 64 KiB)`)
+  t.match(readme, /^## Contents$/m)
+  const top = readme.split('\n').slice(0, 30).join('\n')
+  t.match(top, /^npm install fastify-idempotency$/m, 'how a user installs it')
+  t.match(top, /clone of this repository[\s\S]*npm install && npm run demo[\s\S]*npm install && npm test/, 'the two commands for a clone, marked as such')
+  for (const script of ['demo', 'test']) {
+    const pkg = JSON.parse(readFileSync(path.join(ROOT, 'package.json'), 'utf8')) as { scripts: Record<string, string> }
+    t.type(pkg.scripts[script], 'string', `npm run ${script} exists`)
+  }
 })

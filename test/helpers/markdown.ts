@@ -1,4 +1,4 @@
-import { readdirSync, readFileSync } from 'node:fs'
+import { existsSync, readdirSync, readFileSync } from 'node:fs'
 import path from 'node:path'
 import { fileURLToPath } from 'node:url'
 
@@ -10,7 +10,8 @@ export const REPOSITORY = 'https://github.com/fastify-idempotency/fastify-idempo
 
 /** README.md and every docs/*.md, as paths relative to ROOT. */
 export function markdownPages (): string[] {
-  return ['README.md', ...readdirSync(path.join(ROOT, 'docs')).filter((f) => f.endsWith('.md')).sort().map((f) => `docs/${f}`)]
+  const docs = path.join(ROOT, 'docs')
+  return ['README.md', ...(existsSync(docs) ? readdirSync(docs) : []).filter((f) => f.endsWith('.md')).sort().map((f) => `docs/${f}`)]
 }
 
 export interface CodeBlock {
