@@ -38,21 +38,28 @@ const MARKER = `${fastifyIdempotencyContext.name}()`
 
 /**
  * The router's routes for protected methods, one `METHOD /path` each, with the onError hooks
- * Fastify bound to it (once ready). printRoutes is Fastify's only public view of every route.
+ * Fastify bound to it (once ready). printRoutes is Fastify's only public view of every route: a
+ * tree whose lines each hold the part of the path below their parent, four columns per level.
  */
 function printedRoutes (fastify: FastifyInstance, methods: ReadonlySet<string>, withHooks: boolean): PrintedRoute[] {
   const found: PrintedRoute[] = []
+  const labels: string[] = []
   let current: PrintedRoute[] = []
   const text = fastify.printRoutes(withHooks ? { commonPrefix: false, includeMeta: ['onError'] } : { commonPrefix: false })
   for (const line of text.split('\n')) {
-    if (line.includes('\u2022 (')) { // a meta line (`• (onError) [...]`) of the route line above
-      for (const route of current) route.meta += line
+    const at = line.indexOf('\u2500\u2500 ') // the `── ` of `├── ` and `└── `
+    if (at < 0) {
+      for (const route of current) route.meta += line // a meta line (`• (onError) [...]`) of the node above
       continue
     }
-    const match = /(\/\S*) \(([^)]+)\)/.exec(line)
-    if (match === null) continue
-    current = (match[2] ?? '').split(',').map((m) => m.trim().toUpperCase()).filter((m) => methods.has(m))
-      .map((method) => ({ route: `${method} ${match[1] ?? ''}`, meta: '' }))
+    const depth = (at - 1) / 4
+    const node = /^(\S+)(?: \(([^)]+)\))?/.exec(line.slice(at + 3))
+    if (node === null) continue
+    labels.length = depth
+    labels.push(node[1] ?? '')
+    const path = labels.join('')
+    current = (node[2] ?? '').split(',').map((m) => m.trim().toUpperCase()).filter((m) => methods.has(m))
+      .map((method) => ({ route: `${method} ${path}`, meta: '' }))
     found.push(...current)
   }
   return found

@@ -36,10 +36,11 @@ t.test('register without await, then a POST route: ready() fails, naming the rou
   void instance.register(idempotency, { scope: () => 'acct', required: true })
   instance.post('/payments', async () => ({ charged: true }))
   instance.get('/payments', async () => [])
+  instance.post('/payments/:id/refunds', async () => ({}))
   const err = await instance.ready().then(() => null, (e: unknown) => e)
   t.type(err, UnprotectedRoutesError)
-  t.match(err, { code: CODES.routes, routes: ['POST /payments'] })
-  t.match(String((err as Error).message), /NOT protected: POST \/payments\. Await app\.register/, 'names the route and how to fix it')
+  t.match(err, { code: CODES.routes, routes: ['POST /payments', 'POST /payments/:id/refunds'] }, 'every such route, by its full path')
+  t.match(String((err as Error).message), /NOT protected: POST \/payments; POST \/payments\/:id\/refunds\. Await app\.register/, 'names the route and how to fix it')
   t.notMatch(String((err as Error).message), /GET/, 'a GET is not a protected method')
 })
 
