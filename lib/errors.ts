@@ -58,3 +58,32 @@ export class RolledBackError extends Error {
     this.name = 'RolledBackError'
   }
 }
+
+/**
+ * Fails the boot (`ready()`, `listen()`) when routes for protected methods were declared before the
+ * plugin loaded: Fastify's onRoute never showed them to it, so they would run unprotected.
+ */
+export class UnprotectedRoutesError extends Error {
+  readonly code = 'FST_IDEMPOTENCY_UNPROTECTED_ROUTES'
+  /** `METHOD /path` of each route. */
+  readonly routes: readonly string[]
+
+  constructor (routes: readonly string[]) {
+    super(`fastify-idempotency: these routes were declared before the plugin finished loading, so they are NOT protected: ${routes.join('; ')}. ` +
+      'Await app.register(idempotency, ...) before declaring them, or declare them in a plugin registered after it ' +
+      "(or pass onEarlierRoutes: 'warn' if they are meant to run unprotected).")
+    this.name = 'UnprotectedRoutesError'
+    this.routes = routes
+  }
+}
+
+/** Raised (a 500, logged) when the scope function returns '' and `allowEmptyScope` is not set. */
+export class EmptyScopeError extends TypeError {
+  readonly code = 'FST_IDEMPOTENCY_EMPTY_SCOPE'
+
+  constructor () {
+    super('fastify-idempotency: the scope function returned an empty string, which would put every such caller in one shared key space. ' +
+      'Return the principal (tenant, account id), or pass allowEmptyScope: true if one shared scope for those callers is meant.')
+    this.name = 'EmptyScopeError'
+  }
+}

@@ -21,8 +21,10 @@ const fastifyIdempotency = fp<IdempotencyOptions>(idempotencyPlugin, { fastify: 
 
 export default fastifyIdempotency
 export { fastifyIdempotency }
-export { memoryStore, MemoryStoreFullError, type MemoryStore, type MemoryStoreOptions } from '../drivers/memory.js'
-export { InvalidOptionError, LeaseLostError, RolledBackError, StoreTimeoutError } from './errors.js'
+export { MemoryStoreFullError, type MemoryStore, type MemoryStoreOptions } from '../drivers/memory.js'
+export { memoryStore } from './memory-store.js'
+export { EmptyScopeError, InvalidOptionError, LeaseLostError, RolledBackError, StoreTimeoutError, UnprotectedRoutesError } from './errors.js'
+export type { EarlierRoutesPolicy } from './earlier-routes.js'
 export { DEFAULT_REPLAY_HEADERS } from './headers.js'
 export type { IdempotencyContext } from './context.js'
 export type { InspectedRecord, RecoveryTools } from './admin.js'

@@ -8,6 +8,8 @@ import type { RebuildFunction } from './reference.js'
 import { createMetrics, type MeterLike, type Metrics } from './observe.js'
 import { PROFILE_NAMES, type ProfileName } from './profiles.js'
 import { integerOption, MAX_TIMER_MS } from './validate.js'
+import type { EarlierRoutesPolicy } from './earlier-routes.js'
+import { refuseEmptyScope } from './scope.js'
 import type { IdempotencyPrefilter } from './prefilter.js'
 import type { IdempotencyStore } from './store.js'
 
@@ -18,7 +20,8 @@ export type RecordRule = (statusCode: number) => boolean
 export interface RouteIdempotencyOptions {
   /**
    * The principal that owns keys (tenant, account): the same key from two scopes is two operations.
-   * @defaultValue one global scope (a warning is logged once at startup)
+   * An empty string is refused (500) unless `allowEmptyScope` is set.
+   * @defaultValue one global scope (with a startup warning, FST_IDEMPOTENCY_UNSCOPED)
    */
   scope?: ScopeFunction
   /** Answer 400 to a protected request without the header, instead of running it unprotected. @defaultValue false */
@@ -113,6 +116,19 @@ export interface IdempotencyOptions extends RouteIdempotencyOptions {
    * @defaultValue none
    */
   metrics?: MeterLike
+  /**
+   * What a route for a protected method declared before the plugin loaded does to the boot: Fastify
+   * never showed it to the plugin, so it runs unprotected. `'fail'`: `ready()` rejects with
+   * `UnprotectedRoutesError`, naming the routes; `'warn'`: a logged process warning
+   * (`FST_IDEMPOTENCY_UNPROTECTED_ROUTES`), for routes meant to run unprotected. @defaultValue 'fail'
+   */
+  onEarlierRoutes?: EarlierRoutesPolicy
+  /**
+   * Lets the scope function return `''`, one scope shared by every caller it returns it for
+   * (anonymous callers, say). Without it such a request is refused with a 500 and a logged reason.
+   * @defaultValue false
+   */
+  allowEmptyScope?: boolean
 }
 
 export interface StatusRouteOptions {
@@ -163,6 +179,8 @@ export interface GlobalSettings {
   /** Keys sealing recorded responses, or null. */
   readonly encryption: Keyring | null
   readonly metrics: Metrics | null
+  readonly onEarlierRoutes: EarlierRoutesPolicy
+  readonly allowEmptyScope: boolean
   readonly route: RouteSettings
 }
 
@@ -170,7 +188,7 @@ const ROUTE_OPTION_NAMES = [
   'scope', 'required', 'ttl', 'lease', 'maxOwnership', 'wait', 'maxKeyLength', 'keyFormat', 'fingerprint', 'record',
   'maxResponseBytes', 'replayHeaders', 'onStoreError', 'storeTimeout', 'retryAfter', 'transaction', 'rebuild'
 ] as const
-const GLOBAL_OPTION_NAMES = new Set<string>([...ROUTE_OPTION_NAMES, 'store', 'prefilter', 'methods', 'problemTypeBase', 'docsUrl', 'encryption', 'statusRoute', 'profile', 'openapi', 'metrics'])
+const GLOBAL_OPTION_NAMES = new Set<string>([...ROUTE_OPTION_NAMES, 'store', 'prefilter', 'methods', 'problemTypeBase', 'docsUrl', 'encryption', 'statusRoute', 'profile', 'openapi', 'metrics', 'onEarlierRoutes', 'allowEmptyScope'])
 const ROUTE_ONLY = new Set<string>(ROUTE_OPTION_NAMES)
 
 const HTTP_METHODS = new Set(['DELETE', 'GET', 'HEAD', 'PATCH', 'POST', 'PUT', 'OPTIONS', 'PROPFIND', 'PROPPATCH',
@@ -211,6 +229,7 @@ export function resolveGlobalOptions (options: IdempotencyOptions): GlobalSettin
   if (typeof problemTypeBase !== 'string' || !ABSOLUTE_URI.test(problemTypeBase)) {
     throw new InvalidOptionError('option "problemTypeBase"', 'an absolute URI (RFC 9457 §3.1.1)', problemTypeBase)
   }
+  const allowEmptyScope = options.allowEmptyScope === undefined ? false : bool('option "allowEmptyScope"', options.allowEmptyScope)
   let docsUrl: string | null = null
   if (options.docsUrl !== undefined) {
     if (typeof options.docsUrl !== 'string' || !/^https?:\/\/\S+$/.test(options.docsUrl) || options.docsUrl.includes('>')) {
@@ -227,7 +246,9 @@ export function resolveGlobalOptions (options: IdempotencyOptions): GlobalSettin
     openapi: options.openapi === undefined ? 'auto' : oneOfValues('option "openapi"', options.openapi, [true, false, 'auto'] as const),
     encryption: options.encryption === undefined ? null : resolveKeyring(options.encryption),
     metrics: createMetrics(options.metrics),
-    route: mergeRouteOptions(DEFAULT_ROUTE, options, 'option')
+    onEarlierRoutes: options.onEarlierRoutes === undefined ? 'fail' : oneOf('option "onEarlierRoutes"', options.onEarlierRoutes, ['fail', 'warn']),
+    allowEmptyScope,
+    route: mergeRouteOptions(DEFAULT_ROUTE, options, 'option', allowEmptyScope)
   })
 }
 
@@ -241,13 +262,13 @@ export function resolveRouteConfig (global: GlobalSettings, config: unknown, whe
       throw new InvalidOptionError(`${where} config.idempotency.${name}`, `one of ${ROUTE_OPTION_NAMES.join(', ')} (or true / false)`, name)
     }
   }
-  return mergeRouteOptions(global.route, config as RouteIdempotencyOptions, `${where} config.idempotency`)
+  return mergeRouteOptions(global.route, config as RouteIdempotencyOptions, `${where} config.idempotency`, global.allowEmptyScope)
 }
 
-function mergeRouteOptions (base: RouteSettings, options: RouteIdempotencyOptions, prefix: string): RouteSettings {
+function mergeRouteOptions (base: RouteSettings, options: RouteIdempotencyOptions, prefix: string, allowEmptyScope: boolean): RouteSettings {
   const name = (option: string): string => prefix === 'option' ? `option "${option}"` : `${prefix}.${option}`
   const settings: RouteSettings = {
-    scope: options.scope === undefined ? base.scope : fn(name('scope'), options.scope),
+    scope: options.scope === undefined ? base.scope : refuseEmptyScope(fn(name('scope'), options.scope), allowEmptyScope),
     required: options.required === undefined ? base.required : bool(name('required'), options.required),
     ttl: integerOption(name('ttl'), options.ttl, base.ttl, 1, MAX_TIMER_MS, 'milliseconds'),
     // A ttl shorter than the inherited lease shortens the lease with it; an explicit lease longer
@@ -352,6 +373,11 @@ function resolveStatusRoute (value: unknown): StatusRouteSettings | null {
   }
   if (typeof url !== 'string' || !STATUS_URL.test(url) || !url.split('/').includes(':key')) {
     throw new InvalidOptionError(name, "a path starting with / with a ':key' segment, such as '/idempotency-keys/:key'", url)
+  }
+  // The route is also declared as `<path before :key>/*` (lib/status-route.ts), so what follows the key must be static.
+  const segments = url.split('/')
+  if (url.includes('*') || segments.slice(segments.indexOf(':key') + 1).some((segment) => segment.includes(':'))) {
+    throw new InvalidOptionError(name, "a path whose segments after ':key' are static, without '*'", url)
   }
   return Object.freeze({
     url,

@@ -1,6 +1,6 @@
 import type { FastifyInstance, FastifyPluginCallback, RouteOptions } from 'fastify'
-import { memoryStore } from '../drivers/memory.js'
 import { kState } from './context.js'
+import { checkEarlierRoutes } from './earlier-routes.js'
 import { sealAtRest } from './encryption.js'
 import type { Engine } from './engine.js'
 import { InvalidOptionError } from './errors.js'
@@ -12,6 +12,8 @@ import type { IdempotencyPrefilter } from './prefilter.js'
 import { registerStatusRoute } from './status-route.js'
 import type { IdempotencyStore } from './store.js'
 import { Waiters } from './waiters.js'
+import { isMemoryStore, memoryStore } from './memory-store.js'
+import { warnAboutDeployment } from './warnings.js'
 
 const STORE_METHODS = ['claim', 'complete', 'release', 'renew', 'get', 'purgeExpired', 'close'] as const
 const PREFILTER_METHODS = ['lookup', 'markInFlight', 'clearInFlight', 'remember', 'close'] as const
@@ -43,13 +45,8 @@ export const idempotencyPlugin: FastifyPluginCallback<IdempotencyOptions> = func
     metrics: global.metrics
   }
 
-  if (global.route.scope === null) {
-    // Draft §5: a global key namespace lets one client replay or block another's operation.
-    fastify.log.warn('fastify-idempotency: no `scope` option, so Idempotency-Keys are not scoped to a principal: ' +
-      'every client shares one key space. Pass scope: (request) => <tenant or account id>.')
-  }
-
-  warnAboutEarlierRoutes(fastify, global)
+  warnAboutDeployment(fastify, global.route.scope === null, ownsStore || isMemoryStore(store))
+  checkEarlierRoutes(fastify, global.methods, global.onEarlierRoutes)
   fastify.decorateRequest('idempotency', null)
   fastify.decorateRequest(kState, null)
   fastify.addHook('onRoute', function (route) { protectRoute(engine, global, route, this) })
@@ -66,24 +63,6 @@ export const idempotencyPlugin: FastifyPluginCallback<IdempotencyOptions> = func
   }
   if (ownsStore) fastify.addHook('onClose', async () => { await store.close() })
   done()
-}
-
-/**
- * Fastify's onRoute only sees routes added after the plugin loaded, so a route declared before
- * `await app.register(idempotency)` would silently run unprotected. Say so, loudly, at boot.
- */
-function warnAboutEarlierRoutes (fastify: FastifyInstance, global: GlobalSettings): void {
-  const earlier: string[] = []
-  for (const line of fastify.printRoutes({ commonPrefix: false }).split('\n')) {
-    const match = /(\/\S*) \(([^)]+)\)/.exec(line)
-    if (match === null) continue
-    const methods = (match[2] ?? '').split(',').map((m) => m.trim().toUpperCase()).filter((m) => global.methods.has(m))
-    if (methods.length > 0) earlier.push(`${methods.join(',')} ${match[1] ?? ''}`)
-  }
-  if (earlier.length > 0) {
-    fastify.log.warn(`fastify-idempotency: these routes were declared before the plugin finished registering and are NOT protected: ${earlier.join('; ')}. ` +
-      'Await app.register(idempotency, ...) before declaring routes, or declare them in a plugin registered after it.')
-  }
 }
 
 /** Decides, once per route, whether and how it is protected, and attaches the hooks only to it. */

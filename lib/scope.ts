@@ -1,4 +1,5 @@
 import type { FastifyRequest } from 'fastify'
+import { EmptyScopeError } from './errors.js'
 import type { ScopeFunction } from './options.js'
 
 /** A lone surrogate (\p{Cs} in a u-mode pattern matches only unpaired ones) or NUL. */
@@ -19,4 +20,22 @@ export async function scopeOf (scope: ScopeFunction | null, request: FastifyRequ
     throw new TypeError('fastify-idempotency: the scope function returned a string with a lone surrogate or a NUL character; scopes must be well-formed text (encode binary ids, e.g. as hex)')
   }
   return value
+}
+
+/**
+ * The app's scope function, refusing `''` unless the app asked for it: an auth hook that did not
+ * run, or a header that was not sent, would otherwise put every such caller in one key space,
+ * where one can replay or block another's operation (draft §5). Synchronous functions stay so.
+ */
+export function refuseEmptyScope (scope: ScopeFunction, allowEmpty: boolean): ScopeFunction {
+  if (allowEmpty) return scope
+  const check = (value: string): string => {
+    if (value === '') throw new EmptyScopeError()
+    return value
+  }
+  return function scopeNotEmpty (request) {
+    const value = scope(request)
+    // Not a string: a promise (or a wrong type, which scopeOf reports as it always did).
+    return typeof value === 'string' ? check(value) : Promise.resolve(value).then(check)
+  }
 }

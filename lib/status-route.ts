@@ -37,9 +37,8 @@ const UTF8 = new TextDecoder('utf-8', { fatal: true, ignoreBOM: true })
  */
 export function registerStatusRoute (fastify: FastifyInstance, engine: Engine, global: GlobalSettings, route: StatusRouteSettings): void {
   const settings = global.route
-  async function idempotencyKeyStatus (request: FastifyRequest, reply: FastifyReply): Promise<FastifyReply> {
+  async function keyStatus (request: FastifyRequest, reply: FastifyReply, key: string): Promise<FastifyReply> {
     const startedAt = performance.now()
-    const key = (request.params as { key?: string }).key ?? ''
     const invalid = invalidKey(key, settings.maxKeyLength)
     if (invalid !== null) return answer(engine, null, reply, { kind: 'key-invalid', detail: invalid })
 
@@ -59,13 +58,39 @@ export function registerStatusRoute (fastify: FastifyInstance, engine: Engine, g
     return reply.send(statusBody(record, route.includeBody))
   }
 
+  const { wildcardUrl, suffix } = splitAtKey(route.url)
+  // The route reads: it must never be protected itself, whatever `methods` holds.
+  const config = { idempotency: false }
   fastify.route({
     method: 'GET',
     url: route.url,
-    // The route reads: it must never be protected itself, whatever `methods` holds.
-    config: { idempotency: false },
-    handler: idempotencyKeyStatus
+    config,
+    handler: async function idempotencyKeyStatus (request, reply) {
+      return await keyStatus(request, reply, (request.params as { key?: string }).key ?? '')
+    }
   })
+  // The router refuses a path parameter longer than its maxParamLength (100 by default) with its
+  // own 414, although keys up to maxKeyLength (255) are accepted, and an over-long key is owed a
+  // key-invalid problem. A wildcard has no such limit, and the router tries it only when the
+  // parametric route did not match: longer keys, and a key holding an unencoded `/`.
+  fastify.route({
+    method: 'GET',
+    url: wildcardUrl,
+    config,
+    handler: async function idempotencyKeyStatusLong (request, reply) {
+      const rest = (request.params as { '*'?: string })['*'] ?? ''
+      if (!rest.endsWith(suffix)) return reply.callNotFound()
+      return await keyStatus(request, reply, rest.slice(0, rest.length - suffix.length))
+    }
+  })
+}
+
+/** `/a/:key/b` → `/a/*` and `/b`: the path after the key is static (options.ts checks it). */
+function splitAtKey (url: string): { wildcardUrl: string, suffix: string } {
+  const segments = url.split('/')
+  const at = segments.indexOf(':key')
+  const after = segments.slice(at + 1)
+  return { wildcardUrl: [...segments.slice(0, at), '*'].join('/'), suffix: after.length === 0 ? '' : `/${after.join('/')}` }
 }
 
 /**

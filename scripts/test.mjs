@@ -1,14 +1,15 @@
 // The project's test command (`npm test`):
 //   1. start throwaway PostgreSQL / Redis / Redis Cluster (scripts/services.mjs),
 //      unless DATABASE_URL / REDIS_URL / REDIS_CLUSTER_NODES are already set;
-//   2. type-check (tsc --noEmit -p .);
+//   2. type-check (tsc --noEmit -p .) and build the package (dist/, which the docs and
+//      package tests consume as a user's project would);
 //   3. run tap with the services' env; extra args go to tap
 //      (`npm test -- test/replay.test.ts` runs one file);
 //   4. stop the services and print `N passed, N failed[, N skipped]` as the last line.
 // Exit status is tap's (1 if tap produced no summary or anything else went wrong).
 
 import { spawn } from 'node:child_process'
-import { existsSync, readdirSync, readFileSync } from 'node:fs'
+import { existsSync, readdirSync, readFileSync, rmSync } from 'node:fs'
 import os from 'node:os'
 import path from 'node:path'
 import { fileURLToPath } from 'node:url'
@@ -163,6 +164,17 @@ async function typecheck () {
   return r
 }
 
+/** A clean build of the package: the docs, package and module-format tests check dist/, so it must be current. */
+async function build () {
+  const tsc = path.join('node_modules', 'typescript', 'bin', 'tsc')
+  if (!existsSync(tsc)) return { code: 1, out: 'typescript is not installed (run npm ci)' }
+  const t0 = Date.now()
+  rmSync('dist', { recursive: true, force: true })
+  const r = await capture(process.execPath, [tsc, '-p', 'tsconfig.build.json'])
+  if (r.code === 0) process.stderr.write(`[test] build passed (${((Date.now() - t0) / 1000).toFixed(1)} s)\n`)
+  return r
+}
+
 function tapCommand () {
   try {
     const pkgFile = path.join('node_modules', 'tap', 'package.json')
@@ -204,7 +216,7 @@ function runTap (env) {
 }
 
 async function main () {
-  const [svc, tc] = await Promise.allSettled([startServices(), typecheck()])
+  const [svc, tc, bd] = await Promise.allSettled([startServices(), typecheck(), build()])
   if (svc.status === 'fulfilled') services = svc.value
   if (svc.status === 'rejected') {
     process.stderr.write(`[test] could not start the test services:\n${svc.reason?.message ?? svc.reason}\n`)
@@ -214,6 +226,12 @@ async function main () {
     const out = tc.status === 'rejected' ? String(tc.reason) : tc.value.out
     process.stdout.write(out.endsWith('\n') || !out ? out : out + '\n')
     process.stderr.write('[test] type check failed (tsc --noEmit -p .), not running the tests\n')
+    return finish(1, null)
+  }
+  if (bd.status === 'rejected' || bd.value.code !== 0) {
+    const out = bd.status === 'rejected' ? String(bd.reason) : bd.value.out
+    process.stdout.write(out.endsWith('\n') || !out ? out : out + '\n')
+    process.stderr.write('[test] build failed (tsc -p tsconfig.build.json), not running the tests\n')
     return finish(1, null)
   }
   const code = await runTap({ ...process.env, ...services.env, IDEM_TEST_RUNNER: '1' })

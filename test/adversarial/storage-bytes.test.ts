@@ -60,7 +60,8 @@ async function storageApp (t: Test, store: IdempotencyStore, prefilter?: RedisPr
   const app = Fastify({ logger: log.logger })
   t.teardown(() => app.close())
   let scope = 'tenant'
-  await app.register(idempotency, { store, prefilter, scope: () => scope })
+  // '' is among the scopes stored apart here, so the app asks for it (the plugin refuses it by default).
+  await app.register(idempotency, { store, prefilter, scope: () => scope, allowEmptyScope: true })
   const runs = new Map<string, number>()
   const specs = new Map<string, ResponseSpec>()
   app.post('/files', async (request, reply) => {

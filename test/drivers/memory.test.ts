@@ -3,12 +3,12 @@ import t from 'tap'
 import { memoryStore, MemoryStoreFullError } from '../../lib/index.js'
 import type { Fingerprint } from '../../lib/store.js'
 import { manualClock } from '../helpers/app.js'
-import { runConformance } from './conformance.js'
+import { runConformance } from '../../conformance/index.js'
 
 const fp: Fingerprint = { algorithm: 'canonical-v1', digest: createHash('sha256').update('x').digest() }
 
 t.test('conformance', async (t) => {
-  runConformance(t, async () => memoryStore({ purgeInterval: 0 }))
+  runConformance({ test: (name, fn) => t.test(name, fn), makeStore: () => memoryStore({ purgeInterval: 0 }) })
 })
 
 t.test('expiry is honoured on every read and claim, to the millisecond', async (t) => {

@@ -9,7 +9,7 @@ import t, { type Test } from 'tap'
 import idempotency, { InvalidOptionError, type IdempotencyOptions } from '../../lib/index.js'
 import type { ClaimResult, Fingerprint, IdempotencyStore, StoredResponse } from '../../lib/store.js'
 import { migrate, postgresStore, type PostgresClient, type PostgresStore, type PostgresStoreOptions } from '../../drivers/postgres/index.js'
-import { runConformance } from './conformance.js'
+import { runConformance } from '../../conformance/index.js'
 import { spawnFixture, type ChildApp } from '../helpers/child-app.js'
 
 /**
@@ -144,7 +144,7 @@ function suite (url: string): void {
   })
 
   t.test('conformance', async (t) => {
-    runConformance(t, () => storeOn('conformance'))
+    runConformance({ test: (name, fn) => t.test(name, fn), makeStore: () => storeOn('conformance') })
   })
 
   t.test('migrate: creates the schema, runs twice and concurrently; schema.sql yields the same table', async (t) => {

@@ -1,0 +1,146 @@
+import { spawn } from 'node:child_process'
+import { existsSync, readFileSync } from 'node:fs'
+import path from 'node:path'
+import Fastify from 'fastify'
+import t from 'tap'
+import idempotency from '../lib/index.js'
+import { consumerProject, tsc, tsconfig } from './helpers/consumer.js'
+import { anchors, codeBlocks, links, markdownPages, REPOSITORY, ROOT, type CodeBlock } from './helpers/markdown.js'
+
+/**
+ * Issue 13, findings 3, 4 and 6: every documented example compiles against the built package as a
+ * user's project imports it, the quick start runs, links resolve, and the README says true things
+ * about the options.
+ */
+
+const TS = new Set(['ts', 'typescript'])
+const blocks = markdownPages().flatMap(codeBlocks).filter((b) => TS.has(b.lang))
+const fileOf = (block: CodeBlock, index: number): string =>
+  `${block.page.replace(/\.md$/, '').replace(/\//g, '-')}-${String(index).padStart(2, '0')}.ts`
+
+t.test('every TypeScript block of README.md and docs/ type-checks against the built package, each as its own file', async (t) => {
+  const checked = blocks.filter((b) => !b.fragment)
+  t.ok(checked.length >= 15, `${checked.length} blocks are checked`)
+  t.ok(blocks.length - checked.length <= 3, `few blocks are marked <!-- fragment --> (${blocks.length - checked.length})`)
+  const files: Record<string, string> = {}
+  const origin = new Map<string, CodeBlock>()
+  checked.forEach((block, i) => {
+    const name = fileOf(block, i)
+    files[name] = `${block.code}\nexport {}\n` // a module: its declarations are its own, top-level await works
+    origin.set(name, block)
+  })
+  files['tsconfig.json'] = tsconfig({ module: 'nodenext', moduleResolution: 'nodenext' }, ['*.ts'])
+  files['package.json'] = '{ "type": "module" }' // an ESM app, as the examples are written
+  const dir = consumerProject(t, files)
+  const result = await tsc(dir) // one compiler run for all blocks
+  const errors = result.out.split('\n').filter((line) => /error TS\d+/.test(line)).map((line) => {
+    const m = /^([^(]+)\((\d+),(\d+)\): (.*)$/.exec(line)
+    const block = m === null ? undefined : origin.get(m[1] ?? '')
+    return block === undefined || m === null ? line : `${block.page}:${block.line + Number(m[2]) - 1}: ${m[4] ?? ''}`
+  })
+  t.same(errors, [], 'no type errors')
+  t.equal(result.code, 0, result.out.slice(0, 2000))
+})
+
+t.test('the quick start runs as written: authenticated, scoped, replayed', async (t) => {
+  const block = blocks.find((b) => b.page === 'README.md' && b.section === 'Quick start')
+  if (block === undefined) return t.fail('README.md has a ```ts block under ## Quick start')
+  const dir = consumerProject(t, { 'app.ts': block.code, 'package.json': '{ "type": "module" }' })
+  const child = spawn(process.execPath, ['--import', 'tsx', 'app.ts'], { cwd: dir, env: { ...process.env, PORT: '0' }, stdio: ['ignore', 'pipe', 'pipe'] })
+  t.teardown(() => { child.kill() })
+  let output = ''
+  const url = await new Promise<string>((resolve, reject) => {
+    const timer = setTimeout(() => reject(new Error(`no "listening on" within 30 s: ${output}`)), 30_000)
+    const seen = (chunk: Buffer): void => {
+      output += chunk.toString()
+      const m = /listening on (http:\/\/\S+)/.exec(output)
+      if (m !== null) { clearTimeout(timer); resolve(m[1] ?? '') }
+    }
+    child.stdout.on('data', seen)
+    child.stderr.on('data', seen)
+    child.on('exit', (code) => { clearTimeout(timer); reject(new Error(`exited (${code}) before listening: ${output}`)) })
+  })
+  const pay = (token: string | null, key: string | null): Promise<Response> => fetch(`${url}/payments`, {
+    method: 'POST',
+    headers: {
+      'content-type': 'application/json',
+      ...(token === null ? {} : { authorization: `Bearer ${token}` }),
+      ...(key === null ? {} : { 'idempotency-key': `"${key}"` })
+    },
+    body: JSON.stringify({ amount: 1000, currency: 'EUR' })
+  })
+  const key = '8e03978e-40d5-43e8-bc93-6894a57f9324'
+  const first = await pay('token-alice', key)
+  const firstBody = await first.text()
+  t.equal(first.status, 201)
+  t.equal(first.headers.get('idempotent-replayed'), null)
+  t.match(JSON.parse(firstBody), { id: 'ch_1', amount: 1000, currency: 'EUR' })
+  const again = await pay('token-alice', key)
+  t.equal(again.status, 201)
+  t.equal(again.headers.get('idempotent-replayed'), 'true', 'the retry is a replay')
+  t.equal(await again.text(), firstBody, 'byte for byte')
+  t.equal(again.headers.get('location'), '/payments/ch_1')
+  const bob = await pay('token-bob', key)
+  t.equal(bob.headers.get('idempotent-replayed'), null, 'the same key from another account is its own operation')
+  t.match(await bob.json(), { id: 'ch_2' })
+  t.equal((await pay('token-alice', null)).status, 400, 'required: true refuses a POST without a key')
+  t.equal((await pay(null, key)).status, 401, 'the auth hook answers first')
+})
+
+t.test('relative links resolve to files, and anchors to headings; absolute links into the repository use its URL', async (t) => {
+  const problems: string[] = []
+  for (const link of markdownPages().flatMap(links)) {
+    const where = `${link.page}:${link.line}: ${link.target}`
+    if (/^[a-z]+:/i.test(link.target)) {
+      if (link.target.includes('github.com/fastify-idempotency/') && !link.target.startsWith(`${REPOSITORY}/`)) problems.push(`${where} (not ${REPOSITORY})`)
+      continue
+    }
+    const [file = '', anchor] = link.target.split('#')
+    const target = file === '' ? link.page : path.posix.normalize(path.posix.join(path.posix.dirname(link.page), file))
+    if (target.startsWith('..') || !existsSync(path.join(ROOT, target))) { problems.push(`${where} (no such file)`); continue }
+    if (anchor !== undefined && target.endsWith('.md') && !anchors(target).has(anchor)) problems.push(`${where} (no such heading in ${target})`)
+  }
+  t.same(problems, [])
+
+  // A page named in code text (`real-clients.md`) is a reference a reader follows too.
+  const named = markdownPages().flatMap((page) => [...readFileSync(path.join(ROOT, page), 'utf8').matchAll(/`([\w./-]+\.md)`/g)]
+    .map((m) => m[1] ?? '').filter((name) => !existsSync(path.join(ROOT, name)) && !existsSync(path.join(ROOT, 'docs', name)))
+    .map((name) => `${page}: ${name}`))
+  t.same(named, [], 'every page named in code text exists')
+})
+
+t.test('the README names every option, and exactly the ones that cannot be set per route', async (t) => {
+  const readme = readFileSync(path.join(ROOT, 'README.md'), 'utf8')
+  const table = readme.slice(readme.indexOf('## Options'), readme.indexOf('### Per route'))
+  const documented = new Set([...table.matchAll(/^\| `(\w+)/gm)].map((m) => m[1] ?? '').filter((n) => n !== 'option'))
+
+  // The plugin's own lists, read from the errors it gives for an unknown option.
+  const listIn = (err: unknown): string[] => /one of ([\w, ]+)/.exec(String((err as Error).message))?.[1]?.split(', ').map((s) => s.trim()) ?? []
+  const app = Fastify()
+  t.teardown(() => app.close())
+  const registration = listIn(await app.register(idempotency, { bogus: 1 } as never).then(() => null, (e: unknown) => e))
+  const other = Fastify()
+  t.teardown(() => other.close())
+  await other.register(idempotency, { scope: () => 'x' })
+  let perRoute: string[] = []
+  try { other.post('/x', { config: { idempotency: { bogus: 1 } as never } }, async () => ({})) } catch (err) { perRoute = listIn(err) }
+  t.ok(registration.length > 10 && perRoute.length > 10, 'read the option lists')
+
+  t.same([...documented].sort(), [...registration].sort(), 'the options table lists every option')
+  const sentence = /Every option above except ([^.]+?) can be set per route/s.exec(readme)?.[1] ?? ''
+  const except = [...sentence.matchAll(/`(\w+)`/g)].map((m) => m[1] ?? '')
+  t.same(except.sort(), registration.filter((n) => !perRoute.includes(n)).sort(), 'the registration-only options are named exactly')
+})
+
+t.test('the README is a front page: under 40 KB, a table of contents, the install line and the commands for a clone near its top', async (t) => {
+  const readme = readFileSync(path.join(ROOT, 'README.md'), 'utf8')
+  t.ok(Buffer.byteLength(readme) < 40_000, `${Buffer.byteLength(readme)} bytes (the registry truncates at 64 KiB)`)
+  t.match(readme, /^## Contents$/m)
+  const top = readme.split('\n').slice(0, 30).join('\n')
+  t.match(top, /^npm install fastify-idempotency$/m, 'how a user installs it')
+  t.match(top, /clone of this repository[\s\S]*npm install && npm run demo[\s\S]*npm install && npm test/, 'the two commands for a clone, marked as such')
+  for (const script of ['demo', 'test']) {
+    const pkg = JSON.parse(readFileSync(path.join(ROOT, 'package.json'), 'utf8')) as { scripts: Record<string, string> }
+    t.type(pkg.scripts[script], 'string', `npm run ${script} exists`)
+  }
+})
