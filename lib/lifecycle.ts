@@ -1,6 +1,7 @@
 import type { RequestState } from './context.js'
 import type { Engine } from './engine.js'
 import { observe } from './observe.js'
+import { StoreTimeoutError } from './errors.js'
 import type { ClaimAcquired, Lease } from './store.js'
 import { withTimeout } from './timeout.js'
 import { localId } from './waiters.js'
@@ -172,15 +173,26 @@ export class Lifecycle {
    * Proves, with a fenced store call, that this request still owns its key, and extends its lease
    * (recovery points call it right before running a step, so a step never runs in an owner that was
    * taken over). False when the key was lost; a store failure propagates (nothing may run unproven).
+   *
+   * The renewal's lease runs from when the store applied it, which is no earlier than when it was
+   * sent: an answer back within one lease of sending proves the lease still holds now. A later
+   * answer proves nothing (the lease it granted may have lapsed and been taken over meanwhile), so
+   * it counts as a store failure, like no answer within the lease.
    */
   async fence (): Promise<boolean> {
     const lease = this.#lease
     const engine = this.#engine
     if (this.#lost || lease === null || engine === null) return false
     const settings = this.state.settings
-    const owned = await withTimeout('renew', settings.storeTimeout, () => engine.store.renew(lease, settings.lease))
-    if (!owned) this.#lose()
-    return owned
+    const sent = performance.now()
+    const owned = await withTimeout('renew', Math.min(settings.storeTimeout, settings.lease), () => engine.store.renew(lease, settings.lease))
+    if (!owned) {
+      this.#lose()
+      return false
+    }
+    // A timer can fire late (a blocked event loop): the answer may be older than the lease anyway.
+    if (performance.now() - sent >= settings.lease) throw new StoreTimeoutError('renew', settings.lease)
+    return true
   }
 
   #schedule (): void {

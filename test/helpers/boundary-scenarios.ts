@@ -279,6 +279,36 @@ export function boundaryScenarios (t: Test, env: BoundaryEnvironment): void {
     t.same(replay.json(), second.json(), 'the record is the new owner\'s')
   })
 
+  t.test('case 5: a fence whose answer comes back after its lease proves nothing: the step does not run', async (t) => {
+    let slow = false
+    const w = await world(t, (store) => ({
+      ...store,
+      // The store applies the renewal at once, but its answer arrives late (a congested connection).
+      renew: async (lease, ms) => {
+        const owned = await store.renew(lease, ms)
+        if (slow) await sleep(LEASE * 2)
+        return owned
+      }
+    }))
+    const ranIn: number[] = []
+    let runs = 0
+    w.app.post('/late-fence', async (request, reply) => {
+      const run = ++runs
+      const context = request.idempotency
+      if (context === null) throw new Error('unprotected')
+      await context.step('a', () => 'done')
+      slow = true
+      await context.step('b', () => { ranIn.push(run); return 'done' })
+      return reply.code(201).send({ ok: true })
+    })
+    const first = await w.post('/late-fence', 'late-fence')
+    slow = false
+    t.equal(first.statusCode, 500, 'the unproven step failed the request')
+    t.same(ranIn, [], 'step b did not run on a fence answered after its lease')
+    await sleep(LEASE * 3) // the late answers of the renewal timer land
+    t.same(ranIn, [], 'nor later')
+  })
+
   t.test('case 11: a step result holding U+0000 and an unpaired surrogate is recorded and comes back as it was', async (t) => {
     const w = await world(t)
     const value = { text: 'a\u0000b', lone: '\ud800', nested: ['\u0000', { k: '\udfff' }] }
