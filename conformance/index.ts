@@ -177,6 +177,52 @@ export function runConformance (options: ConformanceOptions): void {
     if (again.outcome === 'acquired') assert.equal(again.takeover, false)
   })
 
+  // lib/store.ts, the first expiry rule: an owner that renews keeps its record past the ttl, or a
+  // retry would reclaim it as a fresh record and run the operation beside the owner.
+  withStore('an in-progress record never expires while its lease is live: renew and takeover keep it past its ttl', async (store) => {
+    const key = fresh()
+    const claim = await store.claim({ scope: 's', key, fingerprint: A, leaseMs: 150, ttlMs: 200 })
+    if (claim.outcome !== 'acquired') assert.fail('not acquired')
+    for (let i = 0; i < 3; i++) {
+      await sleep(100)
+      assert.equal(await store.renew(claim.lease, 150), true)
+    }
+    // 300 ms in, past the 200 ms ttl, with the lease renewed until about 450 ms.
+    assert.equal((await store.get({ scope: 's', key }))?.state, 'in_progress', 'the renewing owner\'s record is still there')
+    const duplicate = await store.claim({ scope: 's', key, fingerprint: A, leaseMs: 150, ttlMs: 200 })
+    assert.equal(duplicate.outcome, 'in_progress', 'a retry is refused, not given the record as a fresh one')
+    await store.release(claim.lease)
+
+    const other = fresh()
+    const crashed = await store.claim({ scope: 's', key: other, fingerprint: A, leaseMs: 30, ttlMs: 200 })
+    if (crashed.outcome !== 'acquired') assert.fail('not acquired')
+    await sleep(60)
+    const takeover = await store.claim({ scope: 's', key: other, fingerprint: A, leaseMs: 400, ttlMs: 100 })
+    assert.equal(takeover.outcome, 'acquired')
+    if (takeover.outcome !== 'acquired') return
+    assert.equal(takeover.takeover, true)
+    await sleep(250) // past the first claim's ttl and the takeover's own
+    assert.equal((await store.get({ scope: 's', key: other }))?.state, 'in_progress', 'the new owner\'s lease keeps the record')
+    assert.equal(await store.complete(takeover.lease, response, LONG), true)
+  })
+
+  // lib/store.ts, the second expiry rule. `hold` is optional: a driver without it has nothing to check here.
+  withStore('a held record never expires, is never reclaimed or taken over, and is never purged', async (store) => {
+    if (typeof store.hold !== 'function') return
+    const key = fresh()
+    const claim = await store.claim({ scope: 's', key, fingerprint: A, leaseMs: 40, ttlMs: 80 })
+    if (claim.outcome !== 'acquired') assert.fail('not acquired')
+    assert.equal(await store.hold(claim.lease), true)
+    await sleep(200) // more than twice its ttl
+    assert.equal((await store.get({ scope: 's', key }))?.state, 'in_progress', 'still there past its ttl')
+    const retry = await store.claim({ scope: 's', key, fingerprint: A, leaseMs: LONG, ttlMs: LONG })
+    assert.equal(retry.outcome, 'in_progress', 'a retry is neither given a fresh record nor a takeover')
+    const other = await store.claim({ scope: 's', key, fingerprint: B, leaseMs: LONG, ttlMs: LONG })
+    assert.equal(other.outcome, 'in_progress', 'nor is a different request')
+    await store.purgeExpired()
+    assert.equal((await store.get({ scope: 's', key }))?.state, 'in_progress', 'the purge kept it')
+  })
+
   withStore('purgeExpired deletes expired records in bounded batches and keeps live ones', async (store) => {
     const scope = `purge-${randomUUID()}`
     for (let i = 0; i < 5; i++) {

@@ -60,6 +60,13 @@ interface Entry {
   createdAt: number
 }
 
+/** Every memory store made, so the plugin can warn where one cannot be shared (production, a cluster worker). */
+const stores = new WeakSet<object>()
+
+export function isMemoryStore (store: unknown): boolean {
+  return typeof store === 'object' && store !== null && stores.has(store)
+}
+
 /** Per-record bookkeeping (Map slot, entry object, timestamps) counted against `maxBytes`. */
 const ENTRY_OVERHEAD = 160
 const SWEEP_SLICE = 10_000
@@ -250,6 +257,7 @@ export function memoryStore (options: MemoryStoreOptions = {}): MemoryStore {
           indeterminate: false,
           createdAt: at
         }
+        outliveLease(created)
         entries.set(id, created)
         bytes += created.bytes
         return { outcome: 'acquired', lease: { scope: request.scope, key: request.key, token }, takeover: false }
@@ -380,6 +388,7 @@ export function memoryStore (options: MemoryStoreOptions = {}): MemoryStore {
       bytes = 0
     }
   }
+  stores.add(store)
   return store
 }
 

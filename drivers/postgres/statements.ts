@@ -116,7 +116,7 @@ export function createStatements (sql: PostgresClient | TransactionSql<any>, nam
   const claimText = `
     WITH claimed AS (
       INSERT INTO ${table} (scope, key, fingerprint, fingerprint_algorithm, state, owner_token, lease_expires_at, expires_at)
-      VALUES ($1, $2, $3::bytea, $4, 'in_progress', $5::uuid, ${later(6)}, ${later(7)})
+      VALUES ($1, $2, $3::bytea, $4, 'in_progress', $5::uuid, ${later(6)}, greatest(${later(7)}, ${later(6)}))
       ON CONFLICT (scope, key) DO NOTHING
       RETURNING true AS acquired
     )
@@ -133,7 +133,7 @@ export function createStatements (sql: PostgresClient | TransactionSql<any>, nam
     UPDATE ${table}
     SET fingerprint = $3::bytea, fingerprint_algorithm = $4,
         state = 'in_progress', owner_token = $5::uuid,
-        lease_expires_at = ${later(6)}, expires_at = ${later(7)}, created_at = now(),
+        lease_expires_at = ${later(6)}, expires_at = greatest(${later(7)}, ${later(6)}), created_at = now(),
         response_status = NULL, response_headers = NULL, response_body = NULL,
         steps = '{}', indeterminate = false
     WHERE scope = $1 AND key = $2 AND owner_token = $8::uuid AND expires_at <= now()
@@ -142,12 +142,13 @@ export function createStatements (sql: PostgresClient | TransactionSql<any>, nam
   // An in-progress record whose owner stopped renewing, retried with the same request: handed to
   // a new token (the old one stops working: complete/release/renew are fenced by it), with its
   // recorded steps, so the new owner continues from the first incomplete one. The record lives at
-  // least a ttl from now, as a newly created one would. A record held for the reconciler
+  // least a ttl from now, as a newly created one would, and at least as long as the new lease
+  // (lib/store.ts: an in-progress record never expires while its lease is live). A record held for the reconciler
   // (indeterminate) is never taken over by a retry.
   const takeoverText = `
     UPDATE ${table}
     SET owner_token = $5::uuid, lease_expires_at = ${later(6)},
-        expires_at = greatest(expires_at, ${later(7)})
+        expires_at = greatest(expires_at, ${later(7)}, ${later(6)})
     WHERE scope = $1 AND key = $2 AND owner_token = $8::uuid
       AND state = 'in_progress' AND lease_expires_at <= now() AND NOT indeterminate AND expires_at > now()
       AND fingerprint_algorithm = $4 AND fingerprint = $3::bytea
