@@ -12,7 +12,7 @@ import type { IdempotencyPrefilter } from './prefilter.js'
 import { registerStatusRoute } from './status-route.js'
 import type { IdempotencyStore } from './store.js'
 import { Waiters } from './waiters.js'
-import { isMemoryStore, memoryStore } from './memory-store.js'
+import { isMemoryStore, memoryStore } from '../drivers/memory.js'
 import { warnAboutDeployment } from './warnings.js'
 
 const STORE_METHODS = ['claim', 'complete', 'release', 'renew', 'get', 'purgeExpired', 'close'] as const
