@@ -282,7 +282,7 @@ export function checkExecutions (history: History, executions: readonly Executio
       let judged = false
       for (let j = 0; j < i; j++) {
         const a = list[j] as Execution
-        const ownedUntil = a.settle?.t ?? a.end
+        const ownedUntil = a.endedBy === 'died' ? a.end : a.settle?.t ?? a.end
         if (bClaimEnd < ownedUntil - SLACK_MS) {
           // B became owner while A still ran and had not given the key up.
           judged = true
