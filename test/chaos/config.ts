@@ -112,7 +112,7 @@ export function parseArgs (argv: readonly string[]): ChaosConfig {
     leaseMs: 2_000,
     waitMs: 250,
     storeTimeoutMs: 2_000,
-    drainS: quick ? 20 : 60,
+    drainS: targeted !== null ? 15 : quick ? 20 : 60,
     reportFile: flags.get('report') ?? null,
     plant
   }

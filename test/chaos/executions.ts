@@ -280,6 +280,13 @@ export function checkExecutions (history: History, executions: readonly Executio
       const bClaimStart = b.claim?.t ?? b.start
       const bClaimEnd = b.claim?.end ?? b.start
       let judged = false
+      // One finding per rule for this execution, however many earlier ones it contradicts.
+      const flagged = new Set<ExecutionViolationKind>()
+      const flagOnce = (kind: ExecutionViolationKind, message: string): void => {
+        if (flagged.has(kind)) return
+        flagged.add(kind)
+        flag(kind, b, message)
+      }
       for (let j = 0; j < i; j++) {
         const a = list[j] as Execution
         const ownedUntil = a.endedBy === 'died' ? a.end : a.settle?.t ?? a.end
@@ -293,7 +300,7 @@ export function checkExecutions (history: History, executions: readonly Executio
           }
           const lastFence = Math.max(a.claim?.t ?? a.start, ...a.renewals.filter((r) => r.ok === true && r.t <= bClaimEnd).map((r) => r.t))
           if (!a.transactional && lastFence + a.leaseMs > bClaimEnd + SLACK_MS) {
-            flag('concurrent-execution', b, `${describe(b)} became owner at ${fmt(bClaimEnd)} while ${describe(a)} still ran (until ${fmtEnd(a)}) on a live lease: its renewal at ${fmt(lastFence)} held the key until ${fmt(lastFence + a.leaseMs)}`)
+            flagOnce('concurrent-execution', `${describe(b)} became owner at ${fmt(bClaimEnd)} while ${describe(a)} still ran (until ${fmtEnd(a)}) on a live lease: its renewal at ${fmt(lastFence)} held the key until ${fmt(lastFence + a.leaseMs)}`)
             continue
           }
           const cut = cutAt(a.instance, a.transactional ? (a.claim?.t ?? a.start) : lastFence, bClaimEnd)
@@ -303,7 +310,7 @@ export function checkExecutions (history: History, executions: readonly Executio
             continue
           }
           const after = a.renewals.filter((r) => r.t > lastFence && r.t <= bClaimEnd)
-          flag('concurrent-execution', b, `${describe(b)} became owner at ${fmt(bClaimEnd)}${b.takeover ? ' (takeover)' : ''} while ${describe(a)} still ran (until ${fmtEnd(a)}), alive and not cut from the database: ` +
+          flagOnce('concurrent-execution', `${describe(b)} became owner at ${fmt(bClaimEnd)}${b.takeover ? ' (takeover)' : ''} while ${describe(a)} still ran (until ${fmtEnd(a)}), alive and not cut from the database: ` +
             (a.transactional ? 'its transaction was open' : `its last renewal was at ${fmt(lastFence)}, ${after.length === 0 ? 'none after it' : `then ${after.map((r) => `${fmt(r.t)} ${String(r.ok)}`).join(', ')}`}`) +
             (a.clientGoneAt === null ? '' : `; its client left at ${fmt(a.clientGoneAt)}`) +
             (a.stream === null ? '' : `; its stream started at ${fmt(a.stream.start)}`))
@@ -321,7 +328,7 @@ export function checkExecutions (history: History, executions: readonly Executio
 
         // A completed record keeps answering for its retention: no new execution meanwhile.
         if (a.settle?.ev === 'complete' && a.settle.ok === true && bClaimStart > a.settle.end && bClaimEnd < a.settle.t + a.ttlMs - SLACK_MS) {
-          flag('execution-after-record', b, `${describe(b)} ran at ${fmt(b.start)}, but ${describe(a)} recorded the outcome at ${fmt(a.settle.t)} with a ttl of ${a.ttlMs} ms`)
+          flagOnce('execution-after-record', `${describe(b)} ran at ${fmt(b.start)}, but ${describe(a)} recorded the outcome at ${fmt(a.settle.t)} with a ttl of ${a.ttlMs} ms`)
         }
         // A held record waits for the reconciler (or an operator): no new execution meanwhile.
         if (a.settle?.ev === 'hold' && a.settle.ok === true && bClaimStart > a.settle.end) {
@@ -330,13 +337,13 @@ export function checkExecutions (history: History, executions: readonly Executio
             ...forced.filter((f) => f.from > a.settle!.t).map((f) => f.from)
           )
           if (bClaimEnd < resolved) {
-            flag('execution-while-held', b, `${describe(b)} ran at ${fmt(b.start)} while the key was held for the reconciler since ${fmt(a.settle.t)} by ${describe(a)} (${Number.isFinite(resolved) ? `resolved at ${fmt(resolved)}` : 'never resolved'})`)
+            flagOnce('execution-while-held', `${describe(b)} ran at ${fmt(b.start)} while the key was held for the reconciler since ${fmt(a.settle.t)} by ${describe(a)} (${Number.isFinite(resolved) ? `resolved at ${fmt(resolved)}` : 'never resolved'})`)
           }
         }
       }
       // Long retention (or a record completed by the reconciler): after a replay was seen, nothing runs again.
       if ((b.ttlMs >= SHORT_TTL_LIMIT_MS || reconcilerCompleted < firstReplay) && bClaimStart > firstReplay) {
-        flag('execution-after-record', b, `${describe(b)} ran at ${fmt(b.start)}, after a client got a replay of the recorded outcome at ${fmt(firstReplay)}`)
+        flagOnce('execution-after-record', `${describe(b)} ran at ${fmt(b.start)}, after a client got a replay of the recorded outcome at ${fmt(firstReplay)}`)
       }
 
       // Steps: never after a later execution started, never refused after its effect ran.
