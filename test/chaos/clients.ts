@@ -161,7 +161,8 @@ export class Workload {
     let key = `op-${draw.hex128()}`
     if (draw.chance(this.settings.sharedKeyShare)) {
       // The same key string in another scope is another operation (draft §5): both must execute.
-      const other = this.operations.findLast((op) => op.scope !== scope && !keys.has(op.key))
+      // Never a scenario's key: its prefix routes it (the reconciler's policy reads it).
+      const other = this.operations.findLast((op) => op.scenario === null && op.scope !== scope && !keys.has(op.key))
       if (other !== undefined) key = other.key
     }
     keys.add(key)
@@ -182,10 +183,16 @@ export class Workload {
 
   private newScenarioOperation (scenario: Scenario): Operation {
     const draw = this.scenarioDraw
+    const scope = draw.pick(this.settings.scopes)
+    const key = `${scenario}-${draw.hex128()}`
+    // Registered, so a payment sharing a key string across scopes never lands on this one's (scope, key).
+    const keys = this.keysByScope.get(scope) ?? new Set<string>()
+    this.keysByScope.set(scope, keys)
+    keys.add(key)
     const op: Operation = {
       id: this.operations.length,
-      scope: draw.pick(this.settings.scopes),
-      key: `${scenario}-${draw.hex128()}`,
+      scope,
+      key,
       mode: 'lease',
       amount: draw.int(100, 99_999),
       reuseAmount: null,
