@@ -274,7 +274,7 @@ t.test('checker (evidence): each planted defect is reported with its kind', asyn
   }
 })
 
-t.test('checker (evidence): a second execution is allowed when the owner was dead, force-released or cut from the database', async (t) => {
+t.test('checker (evidence): a second execution is allowed when the owner was dead, force-released, cut from the database or could not renew', async (t) => {
   const stopped = (h: History): History => ({ ...h, evidence: h.evidence.filter((line) => !(line.ev === 'renew' && line.token === 'tA' && line.t > 400)) })
   const dead = stopped(evidenceHistory(intruder(800)))
   const died = {
@@ -294,6 +294,14 @@ t.test('checker (evidence): a second execution is allowed when the owner was dea
   t.equal(check(cut).stats.executions.boundaries['partitioned-owner-taken-over'], 1)
   const elsewhere = { ...cut, interventions: cut.interventions.map((i) => ({ ...i, instance: 1 })) }
   t.same(kinds(elsewhere), ['concurrent-execution'], 'a partition of another instance excuses nothing')
+  const slowRenewal: EvidenceLine = { t: 500, end: 1_100, pid: 100, instance: 0, ev: 'renew', scope: slowOp.scope, key: slowOp.key, token: 'tA', ok: false }
+  const slow = { ...dead, evidence: [...dead.evidence, slowRenewal].sort((a, b) => a.t - b.t) }
+  t.same(kinds(slow), [], 'the owner kept renewing, but its renewal took 600 ms, longer than the lease')
+  t.equal(check(slow).stats.executions.reexecutions['store-too-slow'], 1)
+  const stall: EvidenceLine = { t: 450, end: 900, pid: 100, instance: 0, ev: 'stall' }
+  const frozen = { ...dead, evidence: [...dead.evidence, stall].sort((a, b) => a.t - b.t) }
+  t.same(kinds(frozen), [], 'the owner\'s process was frozen from 450 to 900 ms')
+  t.equal(check(frozen).stats.executions.reexecutions['owner-stalled'], 1)
   const dbFault = { ...dead, faults: [...dead.faults, { kind: 'db-reset', at: 380, detail: 'reset', effective: true, from: 390, to: 1_400 }] }
   t.same(kinds(dbFault), [], 'a database fault covered the time without renewal')
   t.equal(check(dbFault).stats.executions.reexecutions['cut-from-db'], 1)

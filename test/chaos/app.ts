@@ -32,7 +32,7 @@ import idempotency, { type IdempotencyContext } from '../../lib/index.js'
 import { postgresStore } from '../../drivers/postgres/index.js'
 import { redisPrefilter } from '../../drivers/redis/index.js'
 import { providerKeyFor } from './derive.js'
-import { evidenceLog, loggedStore, type EvidenceEvent } from './evidence.js'
+import { evidenceLog, loggedStore, watchStalls } from './evidence.js'
 import { post } from './http.js'
 import { markStopped, plantedStore, PLANTS, type Plant, type StoppedRenewals } from './plants.js'
 import { SCENARIO_ROUTES, streamedParts, type ScenarioParameters } from './scenario-routes.js'
@@ -85,6 +85,7 @@ function settingsFromEnv (env: NodeJS.ProcessEnv): Settings {
 const settings = settingsFromEnv(process.env)
 const sleep = (ms: number): Promise<void> => new Promise((resolve) => setTimeout(resolve, ms))
 const log = evidenceLog(settings.evidenceFile, settings.instance)
+watchStalls(log)
 
 const sql = postgres(settings.databaseUrl, {
   max: 12,

@@ -38,6 +38,8 @@ export interface WorkloadSettings {
 export interface WorkloadHooks {
   /** `store.forceRelease` on the harness's own store: true when an in-progress record was deleted. */
   readonly forceRelease: (scope: string, key: string) => Promise<boolean>
+  /** The names of the steps recorded on the key's in-progress record (`store.inspect`), or null. */
+  readonly recordedSteps: (scope: string, key: string) => Promise<string[] | null>
 }
 
 interface OperationState {
@@ -214,6 +216,15 @@ export class Workload {
         return outcome
       },
       untilAnswered: (target, options) => this.untilAnswered(target, 'load', untilMs, options.maxAttempts ?? this.settings.maxAttempts, options),
+      untilStepRecorded: async (target, name, timeoutMs) => {
+        const deadline = this.now() + timeoutMs
+        while (this.now() < deadline) {
+          const steps = await this.hooks.recordedSteps(target.scope, target.key).catch(() => null)
+          if (steps?.includes(name) === true) return true
+          await sleep(25)
+        }
+        return false
+      },
       forceRelease: async (target) => {
         const from = this.now()
         let effective = false

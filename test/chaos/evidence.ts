@@ -81,10 +81,13 @@ export type ResolveLine = Origin & {
   readonly action: 'complete' | 'release' | 'resume' | 'leave'
 }
 
+/** The process's event loop did not run from `t` to `end` (a timer fired that much late): it could renew nothing. */
+export type StallLine = Origin & { readonly ev: 'stall', readonly end: number }
+
 /** What a planted bug did at the store behind the plugin's back (for the key's history). */
 export type PlantLine = Origin & { readonly ev: 'plant', readonly scope: string, readonly key: string, readonly what: string }
 
-export type EvidenceLine = StoreCallLine | ClaimLine | ExecStartLine | RequestLine | ResolveLine | PlantLine
+export type EvidenceLine = StoreCallLine | ClaimLine | ExecStartLine | RequestLine | ResolveLine | PlantLine | StallLine
 
 export type EvidenceEvent = EvidenceLine extends infer L ? L extends EvidenceLine ? Omit<L, 't' | 'pid' | 'instance'> : never : never
 
@@ -102,6 +105,19 @@ export function evidenceLog (file: string, instance: number): EvidenceLog {
   return (event, at = realNow()) => {
     appendFileSync(file, JSON.stringify({ t: Math.round(at), pid: process.pid, instance, ...event }) + '\n')
   }
+}
+
+/**
+ * Logs every stretch longer than `thresholdMs` in which the process's event loop did not run (a
+ * CPU-starved or paused process): such an owner cannot renew, as if it were cut off.
+ */
+export function watchStalls (log: EvidenceLog, thresholdMs = 200, everyMs = 50): void {
+  let last = realNow()
+  setInterval(() => {
+    const now = realNow()
+    if (now - last > thresholdMs) log({ ev: 'stall', end: Math.round(now) }, last)
+    last = now
+  }, everyMs).unref()
 }
 
 /** Every line of the files, times made relative to the harness's `t0` (epoch ms), in time order. */

@@ -77,10 +77,17 @@ export interface Execution {
   readonly clientGoneAt: number | null
   readonly stream: { readonly start: number, readonly end: number | null } | null
   readonly steps: readonly StepTrace[]
+  /** Every store call made with its token (for the fence a step relied on). */
+  readonly calls: readonly StoreCallLine[]
 }
 
-/** Why a second execution of a key ran while an earlier one still did, when that was allowed. */
-export type OverlapReason = 'force-released' | 'cut-from-db'
+/**
+ * Why a second execution of a key ran while an earlier one still did, when that was allowed: an
+ * operator force-released it; a database fault or a partition cut the owner off; or the owner kept
+ * renewing but its store calls took longer than the lease (store-too-slow) or its process was
+ * frozen (owner-stalled), which is the same for the lease: the owner could not renew.
+ */
+export type OverlapReason = 'force-released' | 'cut-from-db' | 'store-too-slow' | 'owner-stalled'
 
 export interface ExecutionStats {
   readonly executions: number
@@ -131,7 +138,7 @@ export function rebuildExecutions (history: History): Execution[] {
       case 'exec-start':
         starts.push(line)
         break
-      case 'resolve': case 'plant':
+      case 'resolve': case 'plant': case 'stall':
         break
       default:
         push(requests, `${line.pid}\n${line.req}`, line)
@@ -225,7 +232,8 @@ export function rebuildExecutions (history: History): Execution[] {
       handlerEnd,
       clientGoneAt,
       stream,
-      steps
+      steps,
+      calls: mine
     })
   }
   return executions
@@ -262,7 +270,9 @@ export function checkExecutions (history: History, executions: readonly Executio
   const attemptsOf = new Map<number, Attempt[]>()
   for (const attempt of history.attempts) push(attemptsOf, attempt.op, attempt)
 
-  const reexecutions = { 'after-release': 0, 'after-retention': 0, 'resumed-by-reconciler': 0, 'after-dead-owner': 0, 'force-released': 0, 'cut-from-db': 0, 'after-hold': 0, 'after-lapsed-owner': 0 }
+  const reexecutions = { 'after-release': 0, 'after-retention': 0, 'resumed-by-reconciler': 0, 'after-dead-owner': 0, 'force-released': 0, 'cut-from-db': 0, 'store-too-slow': 0, 'owner-stalled': 0, 'after-hold': 0, 'after-lapsed-owner': 0 }
+  const stallsOf = new Map<number, Array<{ t: number, end: number }>>()
+  for (const line of history.evidence) if (line.ev === 'stall') push(stallsOf, line.pid, line)
   const boundaries = Object.fromEntries(BOUNDARIES.map((boundary) => [boundary, 0])) as Record<Boundary, number>
 
   for (const [id, list] of byKey) {
@@ -308,6 +318,13 @@ export function checkExecutions (history: History, executions: readonly Executio
             reexecutions['cut-from-db']++
             if (cut.partition) boundaries['partitioned-owner-taken-over']++
             continue
+          }
+          if (!a.transactional) {
+            const kept = keptRenewing(a, lastFence, bClaimEnd, stallsOf.get(a.pid) ?? [])
+            if (kept !== null) {
+              reexecutions[kept]++
+              continue
+            }
           }
           const after = a.renewals.filter((r) => r.t > lastFence && r.t <= bClaimEnd)
           flagOnce('concurrent-execution', `${describe(b)} became owner at ${fmt(bClaimEnd)}${b.takeover ? ' (takeover)' : ''} while ${describe(a)} still ran (until ${fmtEnd(a)}), alive and not cut from the database: ` +
@@ -355,11 +372,11 @@ export function checkExecutions (history: History, executions: readonly Executio
           const later = Math.min(...laterStart.filter((t) => t < step.ranAt!))
           const raced = forced.some((f) => f.from >= step.calledAt && f.from <= step.ranAt!)
           if (Number.isFinite(later) && !raced) {
-            flag('stale-step', b, `${describe(b)} ran step "${step.name}" at ${fmt(step.ranAt)}, after a later execution of the key started at ${fmt(later)}`)
+            flag('stale-step', b, `${describe(b)} ran step "${step.name}" at ${fmt(step.ranAt)}, after a later execution of the key started at ${fmt(later)}; ${fenceOf(b, step)}`)
           }
           if (step.refusedAt !== null) {
             const duringFn = forced.some((f) => f.from >= step.ranAt! && f.from <= step.refusedAt!) || cutAt(b.instance, step.ranAt, step.refusedAt).cut
-            if (!duringFn) flag('unfenced-step', b, `${describe(b)} ran step "${step.name}" at ${fmt(step.ranAt)}, then step() threw LeaseLostError at ${fmt(step.refusedAt)}: the effect ran without the key`)
+            if (!duringFn) flag('unfenced-step', b, `${describe(b)} ran step "${step.name}" at ${fmt(step.ranAt)}, then step() threw LeaseLostError at ${fmt(step.refusedAt)}: the effect ran without the key; ${fenceOf(b, step)}`)
           }
         }
       }
@@ -394,6 +411,45 @@ export function checkExecutions (history: History, executions: readonly Executio
       boundaries
     }
   }
+}
+
+/** Idle time an owner may have between two renewals: the plugin renews every third of the lease, plus timer lateness. */
+const IDLE_SLACK_MS = 150
+
+/**
+ * Whether an owner whose lease lapsed between `from` (its last successful renewal's start) and `to`
+ * (the new owner's claim) kept trying: renewal calls in flight (or its process frozen) all the time
+ * but for gaps no longer than the plugin's renewal interval. Then the store was too slow (or the
+ * process stalled) for its lease; otherwise the owner stopped renewing (null).
+ */
+function keptRenewing (a: Execution, from: number, to: number, stalls: ReadonlyArray<{ t: number, end: number }>): 'store-too-slow' | 'owner-stalled' | null {
+  const busy = [
+    ...(a.claim === null ? [] : [{ t: a.claim.t, end: a.claim.end, stall: false }]),
+    ...a.renewals.filter((r) => r.t <= to && r.end >= from).map((r) => ({ t: r.t, end: r.end, stall: false })),
+    ...stalls.filter((s) => s.t <= to && s.end >= from).map((s) => ({ t: s.t, end: s.end, stall: true }))
+  ].sort((x, y) => x.t - y.t)
+  const idleLimit = a.leaseMs / 3 + IDLE_SLACK_MS
+  let covered = from
+  let stalled = false
+  for (const interval of busy) {
+    if (interval.t - covered > idleLimit) return null
+    if (interval.end > covered) {
+      covered = interval.end
+      stalled ||= interval.stall
+    }
+    if (covered >= to) break
+  }
+  if (to - covered > idleLimit) return null
+  return stalled ? 'owner-stalled' : 'store-too-slow'
+}
+
+/** The fenced call a step relied on: the owner's last successful renewal answered before its fn started. */
+function fenceOf (exec: Execution, step: StepTrace): string {
+  const ranAt = step.ranAt ?? Infinity
+  const fence = exec.calls.filter((call) => call.ev === 'renew' && call.ok === true && call.end <= ranAt + 1).at(-1)
+  if (fence === undefined) return 'no renewal answered before it'
+  const late = ranAt - fence.t > exec.leaseMs ? `: fn started ${ranAt - fence.t} ms after that renewal was sent, past its ${exec.leaseMs} ms lease` : ''
+  return `its last renewal before fn was sent at ${fmt(fence.t)} and answered at ${fmt(fence.end)} (${fence.end - fence.t} ms)${late}`
 }
 
 /** The evidence of one key, one line per event (renewals summed up), for a violation's report. */

@@ -67,7 +67,11 @@ async function main (config: ChaosConfig): Promise<number> {
   // The operator's tool, on the harness's own connection (never faulted): the same statement as in production.
   const operator = postgresStore({ sql: services.postgres.sql, purgeInterval: 0 })
   const workload = new Workload(system.instances, config.workload, random.fork('operations'), random.fork('clients'), now, {
-    forceRelease: (scope, key) => operator.forceRelease({ scope, key })
+    forceRelease: (scope, key) => operator.forceRelease({ scope, key }),
+    recordedSteps: async (scope, key) => {
+      const record = await operator.inspect({ scope, key })
+      return record === null || record.state !== 'in_progress' ? null : Object.keys(record.steps)
+    }
   })
   await load(config, system, faults, workload, now)
 

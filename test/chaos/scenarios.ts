@@ -23,6 +23,8 @@ export interface ScenarioClient {
    * Retry-After says; the others back off as the workload's clients do.
    */
   untilAnswered (op: Operation, options: { avoid?: AppInstance, impatient?: boolean, maxAttempts?: number }): Promise<void>
+  /** Until the key's in-progress record holds step `name` (the operator's view), at most `timeoutMs`. */
+  untilStepRecorded (op: Operation, name: string, timeoutMs: number): Promise<boolean>
   /** The operator's force release of the operation's key (store.forceRelease), recorded as an intervention. */
   forceRelease (op: Operation): Promise<void>
   /** Cuts `instance` from the database for `ms`, recorded as an intervention. */
@@ -77,13 +79,15 @@ export async function runScenario (scenario: Scenario, op: Operation, client: Sc
       ])
       break
     case 'steps-force':
-      // Between the two steps (the first is done within ~50 ms), the operator force-releases the key.
+      // Between the two steps (once the first is recorded), the operator force-releases the key.
       await Promise.all([
         client.attempt(op, { instance: first }),
-        sleep(jitter(250, 400)).then(async () => {
+        (async () => {
+          await client.untilStepRecorded(op, 'reserve', 1_000)
+          await sleep(jitter(50, 200))
           await client.forceRelease(op)
           await client.untilAnswered(op, { avoid: first })
-        })
+        })()
       ])
       break
     case 'steps-partition':
@@ -91,8 +95,13 @@ export async function runScenario (scenario: Scenario, op: Operation, client: Sc
       // a retry on another instance takes the key over; the old owner's second step comes after.
       await Promise.all([
         client.attempt(op, { instance: first }),
-        sleep(250).then(() => client.partition(first, op, 650)),
-        sleep(250 + jitter(420, 480)).then(() => client.untilAnswered(op, { avoid: first }))
+        (async () => {
+          await client.untilStepRecorded(op, 'reserve', 1_000)
+          await Promise.all([
+            client.partition(first, op, 650),
+            sleep(jitter(420, 480)).then(() => client.untilAnswered(op, { avoid: first }))
+          ])
+        })()
       ])
       break
     case 'held':
