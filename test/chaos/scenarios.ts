@@ -83,9 +83,11 @@ export async function runScenario (scenario: Scenario, op: Operation, client: Sc
       await Promise.all([
         client.attempt(op, { instance: first }),
         (async () => {
-          await client.untilStepRecorded(op, 'reserve', 1_000)
-          await sleep(jitter(50, 200))
-          await client.forceRelease(op)
+          // A first attempt that a fault stopped before its first step gets nothing done to it.
+          if (await client.untilStepRecorded(op, 'reserve', 1_000)) {
+            await sleep(jitter(50, 200))
+            await client.forceRelease(op)
+          }
           await client.untilAnswered(op, { avoid: first })
         })()
       ])
@@ -96,7 +98,7 @@ export async function runScenario (scenario: Scenario, op: Operation, client: Sc
       await Promise.all([
         client.attempt(op, { instance: first }),
         (async () => {
-          await client.untilStepRecorded(op, 'reserve', 1_000)
+          if (!await client.untilStepRecorded(op, 'reserve', 1_000)) return
           await Promise.all([
             client.partition(first, op, 650),
             sleep(jitter(420, 480)).then(() => client.untilAnswered(op, { avoid: first }))
