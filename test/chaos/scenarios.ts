@@ -84,7 +84,7 @@ export async function runScenario (scenario: Scenario, op: Operation, client: Sc
         client.attempt(op, { instance: first }),
         (async () => {
           // A first attempt that a fault stopped before its first step gets nothing done to it.
-          if (await client.untilStepRecorded(op, 'reserve', 1_000)) {
+          if (await client.untilStepRecorded(op, 'reserve', 2_500)) {
             await sleep(jitter(50, 200))
             await client.forceRelease(op)
           }
@@ -98,7 +98,7 @@ export async function runScenario (scenario: Scenario, op: Operation, client: Sc
       await Promise.all([
         client.attempt(op, { instance: first }),
         (async () => {
-          if (!await client.untilStepRecorded(op, 'reserve', 1_000)) return
+          if (!await client.untilStepRecorded(op, 'reserve', 2_500)) return
           await Promise.all([
             client.partition(first, op, 650),
             sleep(jitter(420, 480)).then(() => client.untilAnswered(op, { avoid: first }))
