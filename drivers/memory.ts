@@ -169,11 +169,6 @@ export function memoryStore (options: MemoryStoreOptions = {}): MemoryStore {
     bytes -= size
   }
 
-  function stepsOf (entry: Entry): StepResults {
-    const steps: Record<string, unknown> = {}
-    if (entry.steps !== null) for (const [name, json] of entry.steps) steps[name] = JSON.parse(json)
-    return steps
-  }
 
   const reconcileSource: ReconcileSource = {
     async findStuck (olderThanMs, limit) {
@@ -193,6 +188,7 @@ export function memoryStore (options: MemoryStoreOptions = {}): MemoryStore {
       if (entry === undefined || entry.state !== 'in_progress' || entry.token !== candidate.token || entry.leaseUntil + olderThanMs > at) return null
       entry.token = randomUUID()
       entry.leaseUntil = at + leaseMs
+      outliveLease(entry)
       return {
         lease: { scope: candidate.scope, key: candidate.key, token: entry.token },
         fingerprint: fingerprintOf(entry),
@@ -203,11 +199,14 @@ export function memoryStore (options: MemoryStoreOptions = {}): MemoryStore {
     },
     complete: (lease, response, ttlMs) => store.complete(lease, response, ttlMs),
     release: (lease) => store.release(lease),
-    async resume (lease) {
-      const entry = owned(lease, now())
+    async resume (lease, ttlMs) {
+      const at = now()
+      const entry = owned(lease, at)
       if (entry === undefined) return false
       entry.indeterminate = false
-      entry.leaseUntil = now()
+      entry.leaseUntil = at
+      // No longer held: it expires again, but not before a retry had the time to take it over.
+      entry.expiresAt = Number.isFinite(entry.expiresAt) ? Math.max(entry.expiresAt, at + ttlMs) : at + ttlMs
       return true
     },
     async leave (lease, wasIndeterminate) {
@@ -258,6 +257,9 @@ export function memoryStore (options: MemoryStoreOptions = {}): MemoryStore {
       if (entry.state === 'in_progress' && entry.leaseUntil <= at && !entry.indeterminate && fingerprintsEqual(fingerprintOf(entry), request.fingerprint)) {
         entry.token = randomUUID()
         entry.leaseUntil = at + request.leaseMs
+        // The record lives at least a ttl from now, as a newly created one would.
+        entry.expiresAt = Math.max(entry.expiresAt, at + request.ttlMs)
+        outliveLease(entry)
         return { outcome: 'acquired', lease: { scope: request.scope, key: request.key, token: entry.token }, takeover: true }
       }
       if (entry.state === 'completed') {
@@ -299,6 +301,7 @@ export function memoryStore (options: MemoryStoreOptions = {}): MemoryStore {
       const entry = owned(lease, at)
       if (entry === undefined) return false
       entry.leaseUntil = at + leaseMs
+      outliveLease(entry)
       return true
     },
 
@@ -329,29 +332,31 @@ export function memoryStore (options: MemoryStoreOptions = {}): MemoryStore {
     },
 
     async hold (lease: Lease): Promise<boolean> {
-      const entry = owned(lease, now())
+      const at = now()
+      const entry = owned(lease, at)
       if (entry === undefined) return false
       entry.indeterminate = true
-      entry.leaseUntil = now()
+      entry.leaseUntil = at
+      // Never expires while held: reclaimed as a fresh record at its ttl, it would lose its steps and
+      // a retry would repeat effects that happened. The reconciler or an operator resolves it.
+      entry.expiresAt = Infinity
       return true
     },
 
     async inspect (id: RecordId): Promise<InspectedRecord | null> {
       const at = now()
       const entry = live(idOf(id.scope, id.key), at)
-      if (entry === undefined) return null
-      return {
-        scope: id.scope,
-        key: id.key,
-        state: entry.state,
-        fingerprint: fingerprintOf(entry),
-        indeterminate: entry.indeterminate,
-        steps: stepsOf(entry),
-        createdAt: new Date(entry.createdAt),
-        leaseRemainingMs: entry.state === 'in_progress' ? Math.max(0, entry.leaseUntil - at) : 0,
-        expiresInMs: entry.expiresAt - at,
-        response: entry.state === 'completed' ? responseOf(entry) : null
+      return entry === undefined ? null : inspected(id, entry, at)
+    },
+
+    async listHeld (limit?: number): Promise<InspectedRecord[]> {
+      const most = integerOption('memoryStore.listHeld(limit)', limit, 100, 1, 100_000)
+      const at = now()
+      const held: InspectedRecord[] = []
+      for (const [id, entry] of entries) {
+        if (entry.state === 'in_progress' && entry.indeterminate) held.push(inspected(keyOf(id), entry, at))
       }
+      return held.sort((a, b) => a.createdAt.getTime() - b.createdAt.getTime()).slice(0, most)
     },
 
     async forceRelease (id: RecordId): Promise<boolean> {
@@ -376,6 +381,32 @@ export function memoryStore (options: MemoryStoreOptions = {}): MemoryStore {
     }
   }
   return store
+}
+
+/** The store contract's rule (lib/store.ts): an in-progress record never expires while its lease is live. */
+function outliveLease (entry: Entry): void {
+  if (entry.expiresAt < entry.leaseUntil) entry.expiresAt = entry.leaseUntil
+}
+
+function stepsOf (entry: Entry): StepResults {
+  const steps: Record<string, unknown> = {}
+  if (entry.steps !== null) for (const [name, json] of entry.steps) steps[name] = JSON.parse(json)
+  return steps
+}
+
+function inspected (id: RecordId, entry: Entry, at: number): InspectedRecord {
+  return {
+    scope: id.scope,
+    key: id.key,
+    state: entry.state,
+    fingerprint: fingerprintOf(entry),
+    indeterminate: entry.indeterminate,
+    steps: stepsOf(entry),
+    createdAt: new Date(entry.createdAt),
+    leaseRemainingMs: entry.state === 'in_progress' ? Math.max(0, entry.leaseUntil - at) : 0,
+    expiresInMs: entry.expiresAt - at,
+    response: entry.state === 'completed' ? responseOf(entry) : null
+  }
 }
 
 function fingerprintOf (entry: Entry): Fingerprint {

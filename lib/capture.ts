@@ -51,7 +51,10 @@ export interface StreamCaptureEvents {
  * Forwards a streamed body to the client while keeping a copy (up to `limit` bytes). The last byte
  * is released only after `onEnd` has recorded the body, so a client that saw the whole response can
  * rely on a retry replaying it. If the client goes away mid-stream, the source is still read to its
- * end: the handler's effect happened, and its outcome must be recorded, not lost.
+ * end: the handler's effect happened, and its outcome must be recorded, not lost. Once the body is
+ * known to exceed `limit` with nobody left to send it to, reading more changes nothing (the outcome
+ * is "completed, not retained"): the source is destroyed and that outcome recorded at once, so an
+ * endless stream cannot hold its key forever.
  */
 export function captureStream (source: Readable, limit: number, events: StreamCaptureEvents): Readable {
   const chunks: Buffer[] = []
@@ -67,6 +70,9 @@ export function captureStream (source: Readable, limit: number, events: StreamCa
     settle().then(after, after)
   }
 
+  // Nothing more is needed to record "not retained": stop reading an oversized body.
+  const abandonOversized = (): void => { finish(() => events.onEnd(null), () => source.destroy()) }
+
   const out = new Readable({
     read () {
       source.resume()
@@ -74,12 +80,8 @@ export function captureStream (source: Readable, limit: number, events: StreamCa
     destroy (error, callback) {
       consumerGone = true
       if (!finished) {
-        if (overflow) {
-          // Nothing more is needed to record "not retained": stop reading an oversized body.
-          finish(() => events.onEnd(null), () => source.destroy())
-        } else {
-          source.resume()
-        }
+        if (overflow) abandonOversized()
+        else source.resume()
       }
       callback(error)
     }
@@ -96,7 +98,11 @@ export function captureStream (source: Readable, limit: number, events: StreamCa
         chunks.push(bytes)
       }
     }
-    if (consumerGone || bytes.length === 0) return
+    if (consumerGone) {
+      if (overflow) abandonOversized()
+      return
+    }
+    if (bytes.length === 0) return
     // The last byte seen so far is held back: the response cannot look complete to the client
     // (even with a Content-Length) before onEnd has recorded it.
     const previous = held

@@ -6,12 +6,11 @@ import {
   canonicalFingerprint, customFingerprint, finishRawHash, fingerprintsEqual, startRawHash
 } from './fingerprint.js'
 import { SealedResponseError } from './encryption.js'
-import { renewWhileRunning } from './lease.js'
 import { RequestContext } from './recovery.js'
 import { scopeOf } from './scope.js'
 import { isReference, sendRebuilt } from './reference.js'
 import { consultPrefilter, markInFlight, rememberCompleted } from './prefiltering.js'
-import { abandon } from './settle.js'
+import { rollBackForDepartedClient } from './settle.js'
 import type { ClaimAcquired, ClaimCompleted, ClaimInProgress, ClaimRequest, ClaimResult, Fingerprint, StoredResponse } from './store.js'
 import { withTimeout } from './timeout.js'
 import { localId } from './waiters.js'
@@ -90,23 +89,19 @@ export async function claimKey (engine: Engine, request: FastifyRequest, reply: 
 
 /** The store handed the key to this request: it executes, holding the key until it settles. */
 function becomeOwner (engine: Engine, reply: FastifyReply, state: RequestState, result: ClaimAcquired): void {
-  state.lease = result.lease
-  state.phase = 'owner'
-  if (result.takeover) observe(engine.metrics, state, 'taken_over', 'warn', 'idempotency: took over an abandoned in-progress key')
+  state.lifecycle.own(engine, result)
+  if (result.takeover) observe(engine.metrics, state, 'taken_over', 'warn', 'idempotency: took over an in-progress key whose owner stopped renewing its lease')
   else observe(engine.metrics, state, 'executed', 'debug', 'idempotency: key claimed')
   const context = state.context as RequestContext
   markInFlight(engine, state, context.fingerprint)
   if (result.transaction !== undefined) {
-    // Atomic mode: the open transaction holds the record, and a crash rolls it back; no lease to renew.
-    state.transactional = true
+    // Atomic mode: the open transaction holds the record, and a crash rolls it back.
     context.sql = result.transaction
-  } else {
-    renewWhileRunning(engine, state)
+    // A client that leaves while the handler runs: Node emits the request's 'close' as soon as its
+    // body is read, so onRequestAbort misses it; the response closing before its end does not.
+    const res = reply.raw
+    res.once('close', () => { if (!res.writableFinished) rollBackForDepartedClient(engine, state) })
   }
-  // A client that leaves while the handler runs: Node emits the request's 'close' as soon as its
-  // body is read, so onRequestAbort misses it; the response closing before its end does not.
-  const res = reply.raw
-  res.once('close', () => { if (!res.writableFinished && state.phase === 'owner') abandon(engine, state) })
 }
 
 /** A claim that lands after its timeout was answered 503 (or bypassed): give the key back at once. */
@@ -114,7 +109,10 @@ function releaseLate (engine: Engine, state: RequestState) {
   return (result: ClaimResult): void => {
     if (result.outcome !== 'acquired') return
     engine.store.release(result.lease).then(
-      () => observe(engine.metrics, state, 'released', 'warn', 'idempotency: released a claim that landed after storeTimeout'),
+      (released) => {
+        if (released) observe(engine.metrics, state, 'released', 'warn', 'idempotency: released a claim that landed after storeTimeout')
+        else observe(engine.metrics, state, 'lease_lost', 'warn', 'idempotency: a claim landed after storeTimeout and was taken over before it could be released')
+      },
       (err: unknown) => observe(engine.metrics, state, 'store_error', 'error', 'idempotency: could not release a late claim; it frees itself when its lease expires', err)
     )
   }
@@ -151,7 +149,7 @@ async function replay (engine: Engine, request: FastifyRequest, reply: FastifyRe
     observe(engine.metrics, state, 'not_retained', 'info', 'idempotency: completed key whose response was not retained')
     return answer(engine, state, reply, { kind: 'response-not-retained', extensions: { originalStatus: response.statusCode } })
   }
-  state.phase = 'replayed'
+  state.lifecycle.replayed()
   if (state.context !== null) state.context.replayed = true
   observe(engine.metrics, state, 'replayed', 'debug', 'idempotency: replayed the recorded response')
   reply.code(response.statusCode)
@@ -172,7 +170,7 @@ async function replayReference (engine: Engine, request: FastifyRequest, reply: 
     observe(engine.metrics, state, 'not_retained', 'error', 'idempotency: the record holds a reference but the route has no rebuild option')
     return answer(engine, state, reply, { kind: 'response-not-retained', extensions: { originalStatus: response.statusCode } })
   }
-  state.phase = 'replayed'
+  state.lifecycle.replayed()
   if (state.context !== null) state.context.replayed = true
   observe(engine.metrics, state, 'replayed', 'debug', 'idempotency: rebuilt the response from its recorded reference')
   reply.header('idempotent-replayed', 'true')
@@ -183,7 +181,7 @@ function storeFailed (engine: Engine, request: FastifyRequest, reply: FastifyRep
   // A record that cannot be opened (encryption: unknown key id, tampering) is not an outage: the
   // store answered, and the record says the operation ran, so bypassing would run it a second time.
   if (state.settings.onStoreError === 'bypass' && !(err instanceof SealedResponseError)) {
-    state.phase = 'unprotected'
+    state.lifecycle.unprotected()
     request.idempotency = null
     observe(engine.metrics, state, 'bypassed', 'error', 'idempotency: store failed; running the handler WITHOUT idempotency protection (onStoreError: bypass)', err)
     return undefined

@@ -1,8 +1,9 @@
 import type { Hash } from 'node:crypto'
 import type { FastifyBaseLogger, FastifyRequest } from 'fastify'
+import { Lifecycle } from './lifecycle.js'
 import type { RouteSettings } from './options.js'
 import type { RequestContext } from './recovery.js'
-import type { Fingerprint, Lease, OutboxEntry } from './store.js'
+import type { Fingerprint, OutboxEntry } from './store.js'
 
 /** What a protected request exposes as `request.idempotency`. */
 export interface IdempotencyContext {
@@ -33,7 +34,10 @@ export interface IdempotencyContext {
    * an attempt crashed or failed after the step completed, the next attempt gets the recorded result
    * without running `fn` again and continues from the first incomplete step. Steps of one request
    * run one after another, in call order. Lease mode only, with a store that records steps (memory,
-   * Postgres). Throws LeaseLostError when another attempt took the key over meanwhile.
+   * Postgres). Before `fn` runs, a fenced store call proves that this request still owns its key
+   * (and extends its lease): a request whose key was taken over or force-released never runs `fn`,
+   * it throws LeaseLostError instead. The one window left is a crash between `fn`'s effect and its
+   * record: the next attempt runs `fn` again, which is what `deriveKey(name)` is for.
    */
   step<T> (name: string, fn: () => T | Promise<T>): Promise<T>
 
@@ -61,28 +65,16 @@ export interface IdempotencyContext {
   enqueue (message: OutboxEntry, transaction?: unknown): Promise<void>
 }
 
-/**
- * Where a protected request stands:
- * parsed → (claim) → owner → settling → settled
- *                  ↘ replayed | answered (a problem) | unprotected (store failure, `bypass`)
- */
-export type Phase = 'parsed' | 'owner' | 'settling' | 'settled' | 'replayed' | 'answered' | 'unprotected'
-
 export const kState = Symbol('fastify-idempotency.state')
 
 /** Per-request state, reachable only through {@link kState}. */
 export class RequestState {
-  phase: Phase = 'parsed'
   scope = ''
   rawHash: Hash | null = null
-  lease: Lease | null = null
-  renewTimer: NodeJS.Timeout | null = null
+  /** The phase and the lease's renewal: changed only through it (lib/lifecycle.ts). */
+  readonly lifecycle: Lifecycle = new Lifecycle(this)
   /** The handler (or a hook after it) threw: the outcome is a failure, never recorded. */
   errored = false
-  /** The client went away or the socket timed out: the lease is no longer renewed. */
-  abandoned = false
-  /** Atomic mode: the lease holds an open transaction (committed by complete, rolled back by release). */
-  transactional = false
   context: RequestContext | null = null
   /** Set by markIndeterminate / markDefinite; null leaves it to the default (steps completed or not). */
   failure: 'definite' | 'indeterminate' | null = null

@@ -19,6 +19,6 @@ export interface Engine {
 
 /** Sends a problem answer; the request is then never recorded (it is not the key's outcome). */
 export function answer (engine: Engine, state: RequestState | null, reply: FastifyReply, problem: ProblemAnswer): FastifyReply {
-  if (state !== null) state.phase = 'answered'
+  state?.lifecycle.answered()
   return sendProblem(reply, engine.problems, engine.problemOptions, problem)
 }

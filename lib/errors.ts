@@ -31,14 +31,30 @@ export class StoreTimeoutError extends Error {
 
 /**
  * Raised by `request.idempotency.step()` when the request no longer owns its key (its lease lapsed
- * and another attempt took the key over): the step's result was not recorded, and the handler must
- * stop, since the new owner continues the operation.
+ * and another attempt took the key over, or an operator force-released it): the step did not run
+ * (or, if it ran before the key was lost, was not recorded), and the handler must stop, since the
+ * key's current owner continues the operation.
  */
 export class LeaseLostError extends Error {
   readonly code = 'FST_IDEMPOTENCY_LEASE_LOST'
 
   constructor (step: string) {
-    super(`fastify-idempotency: step "${step}" could not be recorded: this request no longer owns its Idempotency-Key (another attempt took it over)`)
+    super(`fastify-idempotency: step "${step}" was not recorded: this request no longer owns its Idempotency-Key (another attempt took it over, or it was force-released)`)
     this.name = 'LeaseLostError'
+  }
+}
+
+/**
+ * Thrown by a transactional store's `complete` (atomic mode) when the database reported that the
+ * transaction did not commit and was rolled back: nothing of the operation happened. Any other
+ * error from that `complete` leaves the outcome unknown (the connection dropped after COMMIT was
+ * sent, a timeout), and the plugin never claims a rollback it did not see.
+ */
+export class RolledBackError extends Error {
+  readonly code = 'FST_IDEMPOTENCY_ROLLED_BACK'
+
+  constructor (reason: string, options?: { cause?: unknown }) {
+    super(`fastify-idempotency: ${reason}`, options)
+    this.name = 'RolledBackError'
   }
 }

@@ -1,5 +1,5 @@
 import type {
-  FastifyError, FastifyReply, FastifyRequest, HookHandlerDoneFunction, RequestPayload
+  FastifyError, FastifyInstance, FastifyReply, FastifyRequest, HookHandlerDoneFunction, RequestPayload, RouteHandlerMethod
 } from 'fastify'
 import { claimKey } from './claim.js'
 import { kState, RequestState, stateOf, type StatefulRequest } from './context.js'
@@ -8,7 +8,7 @@ import { hashingStream, startRawHash } from './fingerprint.js'
 import { parseKey } from './key.js'
 import { observe } from './observe.js'
 import type { RouteSettings } from './options.js'
-import { abandon, releaseUnsent, settleOwner } from './settle.js'
+import { releaseUnsent, rollBackForDepartedClient, settleOwner } from './settle.js'
 
 export interface RouteHooks {
   readonly onRequest: (request: FastifyRequest, reply: FastifyReply, done: HookHandlerDoneFunction) => void
@@ -16,7 +16,8 @@ export interface RouteHooks {
   readonly preHandler: (request: FastifyRequest, reply: FastifyReply) => Promise<FastifyReply | undefined>
   readonly onError: (request: FastifyRequest, reply: FastifyReply, error: FastifyError, done: () => void) => void
   readonly onResponse: (request: FastifyRequest, reply: FastifyReply, done: HookHandlerDoneFunction) => void
-  readonly onTimeout: (request: FastifyRequest, reply: FastifyReply, done: HookHandlerDoneFunction) => void
+  /** Atomic mode only: lease mode has nothing to do when a socket times out (lib/lifecycle.ts). */
+  readonly onTimeout: ((request: FastifyRequest, reply: FastifyReply, done: HookHandlerDoneFunction) => void) | null
 }
 
 /**
@@ -59,21 +60,24 @@ export function routeHooks (engine: Engine, settings: RouteSettings, methods: Re
   // whatever status the error handler turns it into.
   function idempotencyFlagError (request: FastifyRequest, _reply: FastifyReply, _error: FastifyError, done: () => void): void {
     const state = stateOf(request)
-    if (state !== null && state.phase === 'owner') state.errored = true
+    if (state !== null && state.lifecycle.phase === 'owner') {
+      state.errored = true
+      state.lifecycle.failed()
+    }
     done()
   }
 
   // Callback style: it runs on every protected request and almost never has anything to do.
   function idempotencyCleanup (request: FastifyRequest, _reply: FastifyReply, done: HookHandlerDoneFunction): void {
     const state = stateOf(request)
-    if (state === null || state.phase !== 'owner') return done()
+    if (state === null || state.lifecycle.phase !== 'owner') return done()
     releaseUnsent(engine, state).then(() => done(), done)
   }
 
-  // The socket timed out (connectionTimeout): as for a client that left, stop renewing the lease.
-  function idempotencyAbandon (request: FastifyRequest, _reply: FastifyReply, done: HookHandlerDoneFunction): void {
+  // The socket timed out (connectionTimeout): as for a client that left, roll back.
+  function idempotencyRollBack (request: FastifyRequest, _reply: FastifyReply, done: HookHandlerDoneFunction): void {
     const state = stateOf(request)
-    if (state !== null && state.phase === 'owner') abandon(engine, state)
+    if (state !== null) rollBackForDepartedClient(engine, state)
     done()
   }
 
@@ -83,20 +87,63 @@ export function routeHooks (engine: Engine, settings: RouteSettings, methods: Re
     preHandler: idempotencyClaim,
     onError: idempotencyFlagError,
     onResponse: idempotencyCleanup,
-    onTimeout: idempotencyAbandon
+    onTimeout: settings.transaction ? idempotencyRollBack : null
   }
+}
+
+/**
+ * The route's handler, wrapped (lease mode) so the lifecycle knows while it runs: an answer that
+ * interrupts it (handlerTimeout) is settled only once it returned, since until then it may still
+ * produce its effect (lib/lifecycle.ts).
+ */
+export function trackHandler (handler: RouteHandlerMethod): RouteHandlerMethod {
+  return function idempotencyHandler (this: FastifyInstance, request, reply) {
+    const state = stateOf(request)
+    if (state === null || state.lifecycle.phase !== 'owner' || state.lifecycle.transactional) return handler.call(this, request, reply)
+    const lifecycle = state.lifecycle
+    lifecycle.handlerStarted()
+    let result: unknown
+    try {
+      result = handler.call(this, request, reply)
+    } catch (err) {
+      lifecycle.handlerReturned('threw')
+      throw err
+    }
+    if (result !== null && typeof result === 'object' && typeof (result as PromiseLike<unknown>).then === 'function') {
+      (result as PromiseLike<unknown>).then(() => { lifecycle.handlerReturned('returned') }, () => { lifecycle.handlerReturned('threw') })
+    } else {
+      lifecycle.handlerReturned('returned')
+    }
+    return result
+  } as RouteHandlerMethod
 }
 
 /**
  * onSend, added once for the whole context so it runs before route-level onSend hooks such as
  * @fastify/compress's: what is recorded is the body the handler produced. Only the owner of a key
  * records; replays and the plugin's own problem answers pass through untouched (they must never
- * become a key's outcome).
+ * become a key's outcome). The owner's path returns a promise, so that an answer Fastify or Node
+ * then refuses (a header writeHead rejects) is caught by Fastify's hook runner and becomes a 500,
+ * as it would without the plugin, instead of an unhandled rejection.
  */
 export function createRecordHook (engine: Engine) {
-  return function idempotencyRecord (request: FastifyRequest, reply: FastifyReply, payload: unknown, done: (err: Error | null, payload?: unknown) => void): void {
+  return function idempotencyRecord (request: FastifyRequest, reply: FastifyReply, payload: unknown, done: (err: Error | null, payload?: unknown) => void): Promise<unknown> | undefined {
     const state = stateOf(request)
-    if (state === null || state.phase !== 'owner') return done(null, payload)
-    settleOwner(engine, reply, state, payload).then((sent) => done(null, sent), done)
+    if (state === null) {
+      done(null, payload)
+      return undefined
+    }
+    switch (state.lifecycle.respond()) {
+      case 'settle':
+        return settleOwner(engine, reply, state, payload)
+      case 'duplicate':
+        state.log.debug('idempotency: reply.send() called again while the first answer is being recorded; the second is dropped (return reply from an async handler that calls reply.send())')
+        // A promise that never settles (a fresh one: reactions on a shared one would pile up forever):
+        // the onSend chain of the dropped send stops here.
+        return new Promise<never>(() => {})
+      case 'pass':
+        done(null, payload)
+        return undefined
+    }
   }
 }

@@ -22,7 +22,7 @@ const fastifyIdempotency = fp<IdempotencyOptions>(idempotencyPlugin, { fastify: 
 export default fastifyIdempotency
 export { fastifyIdempotency }
 export { memoryStore, MemoryStoreFullError, type MemoryStore, type MemoryStoreOptions } from '../drivers/memory.js'
-export { InvalidOptionError, LeaseLostError, StoreTimeoutError } from './errors.js'
+export { InvalidOptionError, LeaseLostError, RolledBackError, StoreTimeoutError } from './errors.js'
 export { DEFAULT_REPLAY_HEADERS } from './headers.js'
 export type { IdempotencyContext } from './context.js'
 export type { InspectedRecord, RecoveryTools } from './admin.js'

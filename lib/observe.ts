@@ -36,6 +36,10 @@ export type Outcome =
   | 'not_recorded'
   /** The owner lost its key to another attempt: its outcome is not recorded. */
   | 'lease_lost'
+  /** The owner reached the route's `maxOwnership` while still holding its key: its lease is no longer renewed. */
+  | 'ownership_expired'
+  /** An unexpected error while settling the owner's answer (a throwing `record` rule): released or held, not recorded. */
+  | 'settle_failed'
   /** The store failed or timed out (503, a 500 commit failure, or a logged background failure). */
   | 'store_error'
   /** The store failed and `onStoreError: 'bypass'` ran the handler unprotected. */

@@ -63,7 +63,7 @@ const VALIDATED_PARTS = ['body', 'querystring', 'query', 'params', 'headers'] as
 
 /** The plugin's answers on a protected route (the status route's `key-unknown` is not one). */
 type RouteProblem = Extract<ProblemKind,
-  'key-missing' | 'key-invalid' | 'key-reused' | 'request-in-progress' | 'response-not-retained' | 'store-unavailable' | 'not-committed'>
+  'key-missing' | 'key-invalid' | 'key-reused' | 'request-in-progress' | 'response-not-retained' | 'store-unavailable' | 'not-committed' | 'outcome-unknown'>
 
 const WHEN: Readonly<Record<RouteProblem, (settings: RouteSettings) => string>> = {
   'key-missing': () => `The Idempotency-Key header is missing, and this operation requires one (${DRAFT} §2.7).`,
@@ -79,7 +79,10 @@ const WHEN: Readonly<Record<RouteProblem, (settings: RouteSettings) => string>> 
   'store-unavailable': () => 'The key could not be checked, so the request was not processed. ' +
     'Send the same request again after `Retry-After` seconds.',
   'not-committed': () => 'The transaction holding the operation and its key could not be committed: nothing was recorded ' +
-    'and its writes were rolled back. Send the same request again.'
+    'and its writes were rolled back. Send the same request again.',
+  'outcome-unknown': () => 'The transaction holding the operation and its key was sent to be committed, but whether it ' +
+    'committed could not be confirmed. Send the same request again after `Retry-After` seconds: it replays the recorded ' +
+    'response if the operation committed, and runs it if it did not.'
 }
 
 function keyParameter (settings: RouteSettings, methods: ReadonlySet<string> | null): Schema {
@@ -189,7 +192,7 @@ function problemsByStatus (engine: Engine, settings: RouteSettings): Map<number,
   kinds.push('key-invalid', 'key-reused', 'request-in-progress', 'response-not-retained')
   // With 'bypass', a store failure runs the handler unprotected instead.
   if (settings.onStoreError === 'fail') kinds.push('store-unavailable')
-  if (settings.transaction) kinds.push('not-committed')
+  if (settings.transaction) kinds.push('not-committed', 'outcome-unknown')
   const byStatus = new Map<number, RouteProblem[]>()
   for (const kind of kinds) {
     const status = engine.problems[kind].status

@@ -25,8 +25,19 @@ export interface RouteIdempotencyOptions {
   required?: boolean
   /** How long a record is kept after it was completed, in ms (the published expiry policy, draft §2.3). @defaultValue 86_400_000 (24 h) */
   ttl?: number
-  /** How long an owner holds an in-progress key before another attempt may take it over, in ms. Renewed while the handler runs. @defaultValue 30_000 */
+  /**
+   * How long an in-progress key stays with its owner without a renewal, in ms: a crashed owner's key
+   * can be taken over by a retry this long after its last renewal. A live owner renews it (every
+   * lease / 3) until its outcome is recorded, whatever its client does. @defaultValue 30_000
+   */
   lease?: number
+  /**
+   * The longest a live owner keeps renewing its lease, in ms, from its claim; 0 for as long as it
+   * runs. A bound for handlers that can hang: once it elapsed, the lease lapses and a retry may take
+   * the key over and run the operation beside the stuck handler (steps already recorded are not
+   * repeated). Lease mode only. @defaultValue 0 (no bound)
+   */
+  maxOwnership?: number
   /** How long a duplicate waits for an in-flight original before it gets 409, in ms. @defaultValue 0 */
   wait?: number
   /** @defaultValue 255 */
@@ -127,6 +138,7 @@ export interface RouteSettings {
   readonly required: boolean
   readonly ttl: number
   readonly lease: number
+  readonly maxOwnership: number
   readonly wait: number
   readonly maxKeyLength: number
   readonly keyFormat: KeyFormat
@@ -155,7 +167,7 @@ export interface GlobalSettings {
 }
 
 const ROUTE_OPTION_NAMES = [
-  'scope', 'required', 'ttl', 'lease', 'wait', 'maxKeyLength', 'keyFormat', 'fingerprint', 'record',
+  'scope', 'required', 'ttl', 'lease', 'maxOwnership', 'wait', 'maxKeyLength', 'keyFormat', 'fingerprint', 'record',
   'maxResponseBytes', 'replayHeaders', 'onStoreError', 'storeTimeout', 'retryAfter', 'transaction', 'rebuild'
 ] as const
 const GLOBAL_OPTION_NAMES = new Set<string>([...ROUTE_OPTION_NAMES, 'store', 'prefilter', 'methods', 'problemTypeBase', 'docsUrl', 'encryption', 'statusRoute', 'profile', 'openapi', 'metrics'])
@@ -172,6 +184,7 @@ const DEFAULT_ROUTE: RouteSettings = Object.freeze({
   required: false,
   ttl: 24 * 60 * 60 * 1000,
   lease: 30_000,
+  maxOwnership: 0,
   wait: 0,
   maxKeyLength: 255,
   keyFormat: 'lenient',
@@ -242,6 +255,7 @@ function mergeRouteOptions (base: RouteSettings, options: RouteIdempotencyOption
     lease: options.lease === undefined
       ? (options.ttl === undefined ? base.lease : Math.min(base.lease, integerOption(name('ttl'), options.ttl, base.ttl, 1, MAX_TIMER_MS, 'milliseconds')))
       : integerOption(name('lease'), options.lease, base.lease, 1, MAX_TIMER_MS, 'milliseconds'),
+    maxOwnership: integerOption(name('maxOwnership'), options.maxOwnership, base.maxOwnership, 0, MAX_TIMER_MS, 'milliseconds'),
     wait: integerOption(name('wait'), options.wait, base.wait, 0, MAX_TIMER_MS, 'milliseconds'),
     maxKeyLength: integerOption(name('maxKeyLength'), options.maxKeyLength, base.maxKeyLength, 1, 8192, 'characters'),
     keyFormat: options.keyFormat === undefined ? base.keyFormat : oneOf(name('keyFormat'), options.keyFormat, ['lenient', 'strict']),

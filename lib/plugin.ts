@@ -4,7 +4,7 @@ import { kState } from './context.js'
 import { sealAtRest } from './encryption.js'
 import type { Engine } from './engine.js'
 import { InvalidOptionError } from './errors.js'
-import { createRecordHook, routeHooks } from './hooks.js'
+import { createRecordHook, routeHooks, trackHandler } from './hooks.js'
 import { documentRoute } from './openapi.js'
 import { resolveGlobalOptions, resolveRouteConfig, type GlobalSettings, type IdempotencyOptions, type RouteSettings } from './options.js'
 import { buildProblemBodies } from './problems.js'
@@ -111,7 +111,8 @@ function protectRoute (engine: Engine, global: GlobalSettings, route: RouteOptio
   appendHook(route, 'preHandler', hooks.preHandler)
   appendHook(route, 'onError', hooks.onError)
   appendHook(route, 'onResponse', hooks.onResponse)
-  appendHook(route, 'onTimeout', hooks.onTimeout)
+  if (hooks.onTimeout !== null) appendHook(route, 'onTimeout', hooks.onTimeout)
+  if (!settings.transaction) route.handler = trackHandler(route.handler)
 }
 
 type HookName = 'onRequest' | 'preParsing' | 'preHandler' | 'onError' | 'onResponse' | 'onTimeout'

@@ -15,6 +15,7 @@ export type ProblemKind =
   | 'store-unavailable'
   | 'response-not-retained'
   | 'not-committed'
+  | 'outcome-unknown'
   | 'key-unknown'
 
 export const PROBLEMS: Readonly<Record<ProblemKind, ProblemDefinition>> = {
@@ -50,6 +51,15 @@ export const PROBLEMS: Readonly<Record<ProblemKind, ProblemDefinition>> = {
     title: 'Idempotent operation was not committed',
     detail: 'The transaction holding this operation and its Idempotency-Key could not be committed, so nothing was recorded ' +
       'and its writes were rolled back. Retry the same request.'
+  },
+  // Atomic mode, COMMIT sent but no answer (a dropped connection, storeTimeout): it may have
+  // committed or not, and saying either would be a guess. The record decides on the retry.
+  'outcome-unknown': {
+    status: 503,
+    title: 'Idempotent operation outcome is unknown',
+    detail: 'The transaction holding this operation and its Idempotency-Key was sent to be committed, but whether it ' +
+      'committed could not be confirmed. Retry the same request with the same Idempotency-Key: it replays the recorded ' +
+      'response if the operation committed, and runs it if it did not.'
   },
   'response-not-retained': {
     status: 410,

@@ -109,6 +109,13 @@ const STRIPE: Readonly<Record<ProblemKind, StripeError>> = {
       'were rolled back. Retry the same request.',
     shouldRetry: true
   },
+  'outcome-unknown': {
+    status: 503,
+    type: 'api_error',
+    message: 'The operation for this idempotency key was sent to be committed, but whether it committed could not be ' +
+      'confirmed. Retry the same request with the same idempotency key.',
+    shouldRetry: true
+  },
   'response-not-retained': {
     status: 410,
     type: 'idempotency_error',

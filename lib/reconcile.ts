@@ -71,6 +71,8 @@ export interface ReconcileReport {
   readonly released: number
   readonly resumed: number
   readonly left: number
+  /** Resolutions the store refused: the record changed hands while `resolve` ran (force-released, or taken by a retry). */
+  readonly lost: number
   /** `resolve` threw, or the store failed while applying its decision: the record is left. */
   readonly errors: ReadonlyArray<{ readonly scope: string, readonly key: string, readonly error: unknown }>
 }
@@ -106,8 +108,11 @@ export interface ReconcileSource {
   } | null>
   complete (lease: Lease, response: StoredResponse, ttlMs: number): Promise<boolean>
   release (lease: Lease): Promise<boolean>
-  /** Clears `indeterminate` and ends the lease now, so the next retry takes the record over. */
-  resume (lease: Lease): Promise<boolean>
+  /**
+   * Clears `indeterminate` and ends the lease now, so the next retry takes the record over; the
+   * record, no longer held, expires again (`ttlMs` from now at the earliest).
+   */
+  resume (lease: Lease, ttlMs: number): Promise<boolean>
   /** Ends the lease now, keeping `indeterminate` as `wasIndeterminate`. */
   leave (lease: Lease, wasIndeterminate: boolean): Promise<boolean>
 }
@@ -144,7 +149,7 @@ export async function reconcileWith (source: ReconcileSource, options: Reconcile
 }
 
 async function reconcilePass (source: ReconcileSource, settings: ResolvedReconcileOptions): Promise<ReconcileReport> {
-  const report = { examined: 0, completed: 0, released: 0, resumed: 0, left: 0, errors: [] as Array<{ scope: string, key: string, error: unknown }> }
+  const report = { examined: 0, completed: 0, released: 0, resumed: 0, left: 0, lost: 0, errors: [] as Array<{ scope: string, key: string, error: unknown }> }
   const candidates = await source.findStuck(settings.olderThan, settings.limit)
   for (const candidate of candidates) {
     const held = await source.acquire(candidate, settings.olderThan, settings.lease)
@@ -162,26 +167,30 @@ async function reconcilePass (source: ReconcileSource, settings: ResolvedReconci
         deriveKey: (name) => deriveKey(lease.scope, lease.key, name)
       }
       const resolution = await settings.resolve(record) ?? { action: 'leave' }
+      // Counted only when the store applied it: false means the record changed hands meanwhile (an
+      // operator force-released it, or the reconciler's own lease lapsed and a retry took it).
+      let applied: boolean
       switch (resolution.action) {
         case 'complete':
-          await source.complete(lease, sealed(settings.keyring, lease, storedResponse(resolution.response)), settings.ttl)
-          report.completed++
+          applied = await source.complete(lease, sealed(settings.keyring, lease, storedResponse(resolution.response)), settings.ttl)
+          if (applied) report.completed++
           break
         case 'release':
-          await source.release(lease)
-          report.released++
+          applied = await source.release(lease)
+          if (applied) report.released++
           break
         case 'resume':
-          await source.resume(lease)
-          report.resumed++
+          applied = await source.resume(lease, settings.ttl)
+          if (applied) report.resumed++
           break
         case 'leave':
-          await source.leave(lease, held.indeterminate)
-          report.left++
+          applied = await source.leave(lease, held.indeterminate)
+          if (applied) report.left++
           break
         default:
           throw new TypeError(`fastify-idempotency: resolve() returned an unknown action ${JSON.stringify((resolution as { action?: unknown }).action)}`)
       }
+      if (!applied) report.lost++
     } catch (error) {
       report.errors.push({ scope: lease.scope, key: lease.key, error })
       // Give the record back as it was; if this fails too, the reconciler's lease simply lapses.

@@ -80,16 +80,17 @@ export function deliverEnqueued (engine: Engine, state: RequestState): void {
 
 async function runStep (engine: Engine, state: RequestState, name: string, fn: (transaction?: unknown) => unknown, transactional: boolean): Promise<unknown> {
   const store = engine.store
-  if (state.transactional) {
+  const lifecycle = state.lifecycle
+  if (lifecycle.transactional) {
     throw new TypeError('fastify-idempotency: step() is for lease mode; in atomic mode (transaction: true) the request\'s transaction is the unit of recovery: write through request.idempotency.sql')
   }
-  if (state.phase !== 'owner' || state.lease === null) {
+  const lease = lifecycle.lease
+  if (lifecycle.phase !== 'owner' || lease === null) {
     throw new TypeError(`fastify-idempotency: step("${name}") can only run in the handler of a request that owns its key`)
   }
   if (store.loadSteps === undefined || store.saveStep === undefined || (transactional && store.runStepInTransaction === undefined)) {
     throw new TypeError(`fastify-idempotency: the store does not record ${transactional ? 'transactional ' : ''}steps (it has no ${transactional ? 'runStepInTransaction' : 'loadSteps/saveStep'})`)
   }
-  const lease: Lease = state.lease
   const timeout = state.settings.storeTimeout
   if (state.steps === null) {
     const loaded = await withTimeout('loadSteps', timeout, () => (store.loadSteps as NonNullable<typeof store.loadSteps>)(lease))
@@ -99,6 +100,12 @@ async function runStep (engine: Engine, state: RequestState, name: string, fn: (
   }
   const steps = state.steps
   if (Object.hasOwn(steps, name)) return steps[name]
+
+  // Proved right before `fn` runs, never after: an owner that was taken over (or force-released)
+  // while it waited must not run the step, since the new owner runs it (seeds: a takeover "allows
+  // the original to complete concurrently"; this keeps that from reaching a step). A store failure
+  // propagates: nothing runs unproven.
+  if (!await lifecycle.fence()) throw new LeaseLostError(name)
 
   let json: string | null
   if (transactional) {

@@ -1,32 +1,42 @@
+import { validateHeaderName, validateHeaderValue } from 'node:http'
 import type { FastifyReply } from 'fastify'
 import { captureStream, classifyPayload, type CapturedPayload } from './capture.js'
 import type { RequestState } from './context.js'
 import type { Engine } from './engine.js'
+import { RolledBackError } from './errors.js'
 import { observe } from './observe.js'
 import { pickReplayHeaders } from './headers.js'
-import { stopRenewal } from './lease.js'
 import { clearInFlight, rememberCompleted } from './prefiltering.js'
-import { applyProblem } from './problems.js'
+import { applyProblem, type ProblemKind } from './problems.js'
 import { deliverEnqueued } from './recovery.js'
 import { referenceRecord } from './reference.js'
 import type { Lease, StoredResponse } from './store.js'
 import { withTimeout } from './timeout.js'
-import { localId } from './waiters.js'
 
 /** Recording the outcome is retried briefly: losing it would let a retry execute a second time. */
 const COMPLETE_RETRY_DELAYS_MS = [50, 250]
 
 /**
- * onSend of the request that owns the key: records the response before it leaves (for a stream,
- * before its last byte leaves), or releases the key when the outcome is a failure. Returns the
- * payload to send on.
+ * onSend of the request that owns the key (the lifecycle moved it to `settling`): records the
+ * response before it leaves (for a stream, before its last byte leaves), or releases the key when
+ * the outcome is a failure. Returns the payload to send on. Whatever goes wrong in here (a throwing
+ * `record` rule, a bug), the key is released or held, never stranded in progress.
  */
 export async function settleOwner (engine: Engine, reply: FastifyReply, state: RequestState, payload: unknown): Promise<unknown> {
-  state.phase = 'settling'
-  stopRenewal(state)
-  const lease = state.lease as Lease
+  try {
+    return await settle(engine, reply, state, payload)
+  } catch (err) {
+    observe(engine.metrics, state, 'settle_failed', 'error', 'idempotency: unexpected error while settling the response; it is not recorded', err)
+    await giveUp(engine, state, 'an unexpected error while settling the response')
+    return payload
+  } finally {
+    state.lifecycle.responded()
+  }
+}
+
+async function settle (engine: Engine, reply: FastifyReply, state: RequestState, payload: unknown): Promise<unknown> {
   if (state.errored) {
-    await giveUp(engine, state, lease, 'the handler failed')
+    await giveUp(engine, state, 'the handler failed')
     return payload
   }
 
@@ -34,12 +44,20 @@ export async function settleOwner (engine: Engine, reply: FastifyReply, state: R
   const sent = captured.kind === 'stream' ? captured.source : payload
   const statusCode = reply.statusCode
   if (!state.settings.record(statusCode)) {
-    await giveUp(engine, state, lease, `status ${statusCode} is not recorded`)
+    await giveUp(engine, state, `status ${statusCode} is not recorded`)
     return sent
   }
   if (captured.kind === 'unsupported') {
-    await giveUp(engine, state, lease, 'the payload type cannot be recorded')
+    await giveUp(engine, state, 'the payload type cannot be recorded')
     return payload
+  }
+  // Node refuses such a response in writeHead, after onSend, and Fastify then answers 500: the
+  // client never receives it, so it must not become the key's outcome.
+  const unsendable = unsendableHeader(reply.getHeaders())
+  if (unsendable !== null) {
+    observe(engine.metrics, state, 'not_recorded', 'error', `idempotency: the response has a header Node cannot send (${unsendable}); it is not recorded`)
+    await giveUp(engine, state, 'the response cannot be sent')
+    return sent
   }
 
   // A Buffer is replayed with Fastify's default type for bytes; give the original the same one.
@@ -47,21 +65,36 @@ export async function settleOwner (engine: Engine, reply: FastifyReply, state: R
   const headers = pickReplayHeaders(reply.getHeaders(), state.settings.replayHeaders)
   const limit = state.settings.maxResponseBytes
   const reference = referenceOf(engine, state, statusCode, headers)
-  if (state.transactional) return commitThenSend(engine, reply, state, lease, captured, headers, reference)
+  if (state.lifecycle.transactional) return await commitThenSend(engine, reply, state, captured, headers, reference)
   if (reference !== null) {
     // The body is sent as the handler produced it (a stream streams); only the reference is kept.
-    await record(engine, state, lease, reference)
+    await record(engine, state, reference)
     return sent
   }
   if (captured.kind === 'bytes') {
     const body = captured.body.length > limit ? null : captured.body
-    await record(engine, state, lease, { statusCode, headers, body })
+    await record(engine, state, { statusCode, headers, body })
     return payload
   }
   return captureStream(captured.source, limit, {
-    onEnd: (body) => record(engine, state, lease, { statusCode, headers, body }),
-    onError: () => giveUp(engine, state, lease, 'the response stream failed')
+    onEnd: (body) => record(engine, state, { statusCode, headers, body }),
+    onError: () => giveUp(engine, state, 'the response stream failed')
   })
+}
+
+/** The first header of `headers` that Node's writeHead would refuse, described, or null. */
+function unsendableHeader (headers: Readonly<Record<string, string | number | string[] | undefined>>): string | null {
+  for (const name in headers) {
+    const value = headers[name]
+    try {
+      validateHeaderName(name)
+      if (Array.isArray(value)) for (const item of value) validateHeaderValue(name, item)
+      else if (value !== undefined) validateHeaderValue(name, String(value))
+    } catch (err) {
+      return (err as Error).message
+    }
+  }
+  return null
 }
 
 /**
@@ -70,67 +103,71 @@ export async function settleOwner (engine: Engine, reply: FastifyReply, state: R
  * not stuck; such routes get concurrency protection only.
  */
 export async function releaseUnsent (engine: Engine, state: RequestState): Promise<void> {
-  state.phase = 'settling'
-  stopRenewal(state)
+  if (!state.lifecycle.unsent()) return
   observe(engine.metrics, state, 'not_recorded', 'warn', 'idempotency: the response bypassed onSend (reply.hijack() or a raw write), so it cannot be recorded')
-  await giveUp(engine, state, state.lease as Lease, 'the response was not sent through Fastify')
+  await giveUp(engine, state, 'the response was not sent through Fastify')
 }
 
 /**
- * The client went away or the socket timed out. Lease mode: stop renewing; the lease lapses unless
- * the handler still answers. Atomic mode: roll back now, which removes the claim and the handler's
- * writes together (its later queries fail), so a retry can run the operation afresh.
+ * Atomic mode, the client went away before the answer was committed: roll back now, which removes
+ * the claim and the handler's writes together (its later queries fail), so a retry runs the
+ * operation afresh. Lease mode: nothing to do (see lib/lifecycle.ts).
  */
-export function abandon (engine: Engine, state: RequestState): void {
-  state.abandoned = true
-  stopRenewal(state)
-  if (state.transactional && state.phase === 'owner') {
-    state.phase = 'settling'
-    release(engine, state, state.lease as Lease, 'the client went away before the transaction committed').catch(/* c8 ignore next */ () => {})
+export function rollBackForDepartedClient (engine: Engine, state: RequestState): void {
+  if (state.lifecycle.clientLeft()) {
+    release(engine, state, 'the client went away before the transaction committed').catch(/* c8 ignore next: release catches */ () => {})
   }
 }
 
 /**
  * Atomic mode: the response is recorded and the transaction committed before a byte is sent, so a
  * client never sees a success that was rolled back. A stream is therefore read whole first (status
- * and headers cannot be taken back once a stream has started). If the commit fails, the client gets
- * a 500 problem instead of the handler's body: nothing of the operation happened.
+ * and headers cannot be taken back once a stream has started). If the commit failed, the client gets
+ * a 500 problem instead of the handler's body: nothing of the operation happened. If the store cannot
+ * tell (the connection dropped or timed out after COMMIT was sent), it gets a 503 that says so: the
+ * retry replays the committed response or runs the operation afresh, whichever is true.
  */
 async function commitThenSend (
   engine: Engine,
   reply: FastifyReply,
   state: RequestState,
-  lease: Lease,
   captured: Exclude<CapturedPayload, { kind: 'unsupported' }>,
   headers: Record<string, string | string[]>,
   reference: StoredResponse | null
 ): Promise<unknown> {
+  const lease = state.lifecycle.lease as Lease
   let body: Buffer
   if (captured.kind === 'bytes') {
     body = captured.body
   } else {
     try {
-      body = Buffer.concat(await captured.source.toArray() as Buffer[])
-    } catch {
-      await release(engine, state, lease, 'the response stream failed')
-      return notCommitted(engine, reply)
+      const chunks = await captured.source.toArray() as Array<Buffer | string>
+      body = Buffer.concat(chunks.map((chunk) => typeof chunk === 'string' ? Buffer.from(chunk) : chunk))
+    } catch (err) {
+      observe(engine.metrics, state, 'not_recorded', 'error', 'idempotency: the response stream failed before its end; the transaction is rolled back', err)
+      await release(engine, state, 'the response stream failed')
+      return notCommitted(engine, reply, state, 'not-committed')
     }
   }
   const response: StoredResponse = reference ?? { statusCode: reply.statusCode, headers, body: body.length > state.settings.maxResponseBytes ? null : body }
   try {
     const since = Date.now()
     const committed = await withTimeout('complete', state.settings.storeTimeout, () => engine.store.complete(lease, response, state.settings.ttl))
-    if (!committed) throw new Error('the transaction no longer owned the record')
+    if (!committed) throw new RolledBackError('the transaction had already ended (rolled back) before the commit')
     observe(engine.metrics, state, 'recorded', 'debug', 'idempotency: response recorded and transaction committed')
     deliverEnqueued(engine, state)
     if (state.context !== null) rememberCompleted(engine, state, state.context.fingerprint, response, state.settings.ttl, since)
   } catch (err) {
-    observe(engine.metrics, state, 'store_error', 'error', 'idempotency: the transaction could not be committed; answering 500', err)
     clearInFlight(engine, state)
-    done(engine, state)
-    return notCommitted(engine, reply)
+    state.lifecycle.settled()
+    if (err instanceof RolledBackError) {
+      observe(engine.metrics, state, 'store_error', 'error', 'idempotency: the transaction was rolled back instead of committed; answering 500', err)
+      return notCommitted(engine, reply, state, 'not-committed')
+    }
+    observe(engine.metrics, state, 'store_error', 'error', 'idempotency: the commit was sent but its outcome is unknown; answering 503', err)
+    return notCommitted(engine, reply, state, 'outcome-unknown')
   }
-  done(engine, state)
+  state.lifecycle.settled()
   return captured.kind === 'bytes' ? undefined : body
 }
 
@@ -148,12 +185,16 @@ function referenceOf (engine: Engine, state: RequestState, statusCode: number, h
   return response
 }
 
-function notCommitted (engine: Engine, reply: FastifyReply): string {
+function notCommitted (engine: Engine, reply: FastifyReply, state: RequestState, kind: Extract<ProblemKind, 'not-committed' | 'outcome-unknown'>): string {
   for (const name of Object.keys(reply.getHeaders())) reply.removeHeader(name)
-  return applyProblem(reply, engine.problems, engine.problemOptions, { kind: 'not-committed' })
+  return applyProblem(reply, engine.problems, engine.problemOptions, kind === 'outcome-unknown'
+    ? { kind, retryAfter: state.settings.retryAfter }
+    : { kind })
 }
 
-async function record (engine: Engine, state: RequestState, lease: Lease, response: StoredResponse): Promise<void> {
+/** Lease mode: records the response; the lease is renewed until this returns (also across the retries). */
+async function record (engine: Engine, state: RequestState, response: StoredResponse): Promise<void> {
+  const lease = state.lifecycle.lease as Lease
   for (let attempt = 0; ; attempt++) {
     try {
       const since = Date.now()
@@ -175,22 +216,40 @@ async function record (engine: Engine, state: RequestState, lease: Lease, respon
       await new Promise((resolve) => setTimeout(resolve, delay))
     }
   }
-  done(engine, state)
+  state.lifecycle.settled()
 }
 
 /**
- * The outcome will not be recorded. A definite failure (nothing happened) releases the key so a
- * retry runs the operation again. An indeterminate one (an external effect may have happened:
- * declared with markIndeterminate(), or the default once a step completed) keeps the record and its
- * steps in progress for the reconciler: releasing it would discard the recovery points and let a
- * retry repeat steps that already took effect.
+ * The outcome will not be recorded. When the answer interrupted a handler that still runs
+ * (lib/lifecycle.ts), the key stays held and renewed until it returns, and the failure answer goes
+ * out without waiting; a handler that then completed may have produced its effect, so unless it
+ * declared otherwise its failure is indeterminate.
  */
-async function giveUp (engine: Engine, state: RequestState, lease: Lease, reason: string): Promise<void> {
-  const indeterminate = !state.transactional &&
+function giveUp (engine: Engine, state: RequestState, reason: string): Promise<void> {
+  const running = state.lifecycle.interruptedHandler()
+  if (running === null) return settleFailure(engine, state, reason)
+  observe(engine.metrics, state, 'not_recorded', 'warn', `idempotency: the answer (${reason}) interrupted a handler that still runs; the key stays held until it returns`)
+  running.then((outcome) => {
+    if (outcome === 'returned' && state.failure === null) state.failure = 'indeterminate'
+    return settleFailure(engine, state, outcome === 'returned' ? `${reason}, and the handler completed after it` : reason)
+  }).catch(/* c8 ignore next: settleFailure catches */ () => {})
+  return Promise.resolve()
+}
+
+/**
+ * A definite failure (nothing happened) releases the key so a retry runs the operation again. An
+ * indeterminate one (an external effect may have happened: declared with markIndeterminate(), or
+ * the default once a step completed) keeps the record and its steps in progress for the
+ * reconciler: releasing it would discard the recovery points and let a retry repeat steps that
+ * already took effect.
+ */
+async function settleFailure (engine: Engine, state: RequestState, reason: string): Promise<void> {
+  const indeterminate = !state.lifecycle.transactional &&
     (state.failure === 'indeterminate' || (state.failure === null && state.stepsCompleted))
-  if (!indeterminate) return release(engine, state, lease, reason)
+  if (!indeterminate) return await release(engine, state, reason)
   clearInFlight(engine, state)
   const store = engine.store
+  const lease = state.lifecycle.lease as Lease
   try {
     if (store.hold === undefined) throw new TypeError('the store cannot hold a record for reconciliation (it has no hold())')
     const held = await withTimeout('hold', state.settings.storeTimeout, () => (store.hold as NonNullable<typeof store.hold>)(lease))
@@ -200,21 +259,18 @@ async function giveUp (engine: Engine, state: RequestState, lease: Lease, reason
     // The record keeps its steps; its lease lapses and a retry takes it over and continues from them.
     observe(engine.metrics, state, 'store_error', 'error', `idempotency: could not hold the key after an indeterminate failure (${reason}); it is taken over by a retry once its lease lapses`, err)
   }
-  done(engine, state)
+  state.lifecycle.settled()
 }
 
-async function release (engine: Engine, state: RequestState, lease: Lease, reason: string): Promise<void> {
+async function release (engine: Engine, state: RequestState, reason: string): Promise<void> {
   clearInFlight(engine, state)
+  const lease = state.lifecycle.lease as Lease
   try {
-    await withTimeout('release', state.settings.storeTimeout, () => engine.store.release(lease))
-    observe(engine.metrics, state, 'released', 'debug', `idempotency: key released (${reason})`)
+    const released = await withTimeout('release', state.settings.storeTimeout, () => engine.store.release(lease))
+    if (released) observe(engine.metrics, state, 'released', 'debug', `idempotency: key released (${reason})`)
+    else observe(engine.metrics, state, 'lease_lost', 'warn', `idempotency: nothing to release (${reason}): the key was taken over or force-released meanwhile`)
   } catch (err) {
     observe(engine.metrics, state, 'store_error', 'error', `idempotency: could not release the key (${reason}); it frees itself when its lease expires`, err)
   }
-  done(engine, state)
-}
-
-function done (engine: Engine, state: RequestState): void {
-  state.phase = 'settled'
-  engine.waiters.notify(localId(state.scope, state.key))
+  state.lifecycle.settled()
 }

@@ -6,6 +6,16 @@
  * scope can be observed from another (draft-ietf-httpapi-idempotency-key-header §5, composite key).
  * Times are durations in milliseconds; a driver measures them on its own clock (the database's
  * clock for a shared store, so instances with skewed clocks agree).
+ *
+ * Two rules about expiry bind every driver, because breaking either runs an operation twice (the
+ * conformance suite checks both):
+ * - an in-progress record never expires while its lease is live: whenever a lease is granted or
+ *   extended (claim, takeover, renew, a reconciler's acquire), the record's expiry is moved to the
+ *   lease's end if it was earlier. An owner that renews keeps its record however long it runs,
+ *   even past the ttl;
+ * - a record held for the reconciler (`hold`) never expires, is never reclaimed as a fresh record
+ *   and never purged, until the reconciler resolves it (complete, release, resume) or an operator
+ *   force-releases it: its recorded steps are what keeps a retry from repeating their effects.
  */
 
 /** Identifies one record: the principal that owns the key, and the key itself. */
@@ -133,7 +143,10 @@ export interface IdempotencyStore {
    */
   release (lease: Lease): Promise<boolean>
 
-  /** Extends the lease to `leaseMs` from now. Fenced like `complete`; false means ownership was lost. */
+  /**
+   * Extends the lease to `leaseMs` from now, and the record's expiry with it when it would end
+   * earlier (see the rules above). Fenced like `complete`; false means ownership was lost.
+   */
   renew (lease: Lease, leaseMs: number): Promise<boolean>
 
   /** Reads a live record (never an expired one), or null. Never changes anything. */
@@ -152,7 +165,10 @@ export interface IdempotencyStore {
    * Optional (atomic mode, route option `transaction: true`): like `claim`, but an `acquired` record
    * is inserted inside a transaction that stays open, returned as `transaction`, so the handler's
    * writes, the claim and the recorded response commit together or not at all:
-   * - `complete(lease, ...)` writes the response and commits (it throws if the commit fails);
+   * - `complete(lease, ...)` writes the response and commits. When the database reports that the
+   *   transaction did not commit (it rolled back), it throws a `RolledBackError`; any other error
+   *   means the outcome is unknown (e.g. the connection dropped after COMMIT was sent), and the
+   *   plugin answers so instead of claiming a rollback;
    * - `release(lease)` rolls back, removing the claim and everything the handler wrote;
    * - the transaction handle refuses to run anything once it has ended;
    * - `renew` has nothing to do (the open transaction holds the record; a crash rolls it back).
@@ -187,8 +203,9 @@ export interface IdempotencyStore {
 
   /**
    * Optional (indeterminate failures): keeps the record in progress, with its steps, for the
-   * reconciler: it is never taken over by a retry (retries get 409) until the reconciler resolves
-   * it. Fenced like `complete`; false when the lease no longer owns the record.
+   * reconciler: it is never taken over by a retry (retries get 409), never expires and is never
+   * purged, until the reconciler resolves it or an operator force-releases it. Fenced like
+   * `complete`; false when the lease no longer owns the record.
    */
   hold? (lease: Lease): Promise<boolean>
 

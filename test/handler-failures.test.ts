@@ -4,7 +4,7 @@ import type { FastifyInstance, FastifyReply, FastifyServerOptions, InjectOptions
 import t, { type Test } from 'tap'
 import { memoryStore, type IdempotencyOptions, type IdempotencyStore } from '../lib/index.js'
 import type { StoredRecord } from '../lib/store.js'
-import { buildApp, deferred, keyed, PROBLEM_TYPE, sleep } from './helpers/app.js'
+import { buildApp, deferred, eventually, keyed, PROBLEM_TYPE, sleep } from './helpers/app.js'
 
 /*
  * Behaviour 9 of the contract: a handler failure (a thrown error, or a response the `record` rule
@@ -29,15 +29,6 @@ function pay (key: string, payload: object = { amount: 100 }): InjectOptions {
   return { method: 'POST', url: '/pay', headers: keyed(key), payload }
 }
 
-/** Polls until `check` holds (every 10 ms, at most `ms`); returns whether it did. A bound, not a speed assertion. */
-async function eventually (check: () => Promise<boolean> | boolean, ms = 3000): Promise<boolean> {
-  const until = Date.now() + ms
-  for (;;) {
-    if (await check()) return true
-    if (Date.now() > until) return false
-    await sleep(10)
-  }
-}
 
 /**
  * The shared second half of the release tests: right after the failed attempt the store holds
@@ -339,8 +330,76 @@ t.test('a socket timeout (connectionTimeout) while the handler runs: the key is 
   t.equal(runs, 1)
 })
 
-t.test('a handler that never answers after an abort: renewal stops and the key is taken over once the lease lapses', async (t) => {
-  const LEASE = 600
+t.test('a client that leaves while a slow handler runs: the key stays with the live owner (409) and its outcome is recorded', async (t) => {
+  // Issue 12, case 1: lease 300 ms, handler 1.5 s, the client leaves at 200 ms and retries at
+  // 800 ms. The retry used to take the key over (the abort stopped the renewals) and charge twice.
+  const LEASE = 300
+  const inner = memoryStore({ purgeInterval: 0 })
+  t.teardown(() => inner.close())
+  let renewals = 0
+  const store: IdempotencyStore = { ...inner, renew: async (lease, ms) => { renewals++; return inner.renew(lease, ms) } }
+  const { app } = await setup(t, { store, lease: LEASE })
+  const closed = deferred()
+  let runs = 0
+  app.post('/pay', async (_request, reply) => {
+    const run = ++runs
+    if (run === 1) reply.raw.once('close', () => closed.resolve())
+    await sleep(1500)
+    return reply.code(201).send({ id: `ch_${run}` })
+  })
+  const port = await listen(app)
+
+  const startedAt = Date.now()
+  const client = rawPost(port, 'leave-1', '{"amount":100}')
+  await sleep(200)
+  client.abort()
+  t.ok((await client.outcome).error, 'the client gave up')
+  await closed.promise // the server saw the connection go
+
+  await sleep(800 - (Date.now() - startedAt))
+  const retry = await app.inject(pay('leave-1'))
+  t.equal(retry.statusCode, 409, 'at 800 ms (2.7 leases) the retry gets 409: the owner still runs')
+  t.equal((JSON.parse(retry.body) as { type: string }).type, PROBLEM_TYPE('request-in-progress'))
+  await sleep(1200 - (Date.now() - startedAt))
+  t.equal((await app.inject(pay('leave-1'))).statusCode, 409, 'and at 1.2 s (4 leases)')
+  t.equal(runs, 1, 'no second execution')
+  t.ok(renewals >= 3, `the owner kept renewing after its client left (${renewals} renewals)`)
+
+  t.ok(await eventually(async () => (await inner.get({ scope: SCOPE, key: 'leave-1' }))?.state === 'completed'),
+    'the handler finished and its response was recorded for the retry')
+  const replay = await app.inject(pay('leave-1'))
+  t.equal(replay.statusCode, 201)
+  t.equal(replay.headers['idempotent-replayed'], 'true')
+  t.same(replay.json(), { id: 'ch_1' }, 'the retry gets the one charge that was made')
+  t.equal(runs, 1)
+})
+
+t.test('a retry with wait while a departed client\'s handler runs waits for its outcome and replays it', async (t) => {
+  const { app } = await setup(t, { lease: 150, wait: 3000 })
+  const gate = deferred()
+  t.teardown(() => gate.resolve())
+  let runs = 0
+  app.post('/pay', async (_request, reply) => {
+    runs++
+    await gate.promise
+    return reply.code(201).send({ id: `ch_${runs}` })
+  })
+  const port = await listen(app)
+  const client = rawPost(port, 'leave-wait', '{"amount":100}')
+  await eventually(() => runs === 1)
+  client.abort()
+  await client.outcome
+  const retry = app.inject(pay('leave-wait'))
+  await sleep(600) // four leases: the original's renewals keep the key
+  gate.resolve()
+  const answer = await retry
+  t.equal(answer.statusCode, 201)
+  t.equal(answer.headers['idempotent-replayed'], 'true', 'the waiting retry got the recorded outcome')
+  t.equal(runs, 1)
+})
+
+t.test('maxOwnership bounds a stuck owner: renewals stop after it, and a retry takes the key over once the lease lapses', async (t) => {
+  const LEASE = 150
   const inner = memoryStore({ purgeInterval: 0 })
   t.teardown(() => inner.close())
   const completions: boolean[] = []
@@ -352,52 +411,34 @@ t.test('a handler that never answers after an abort: renewal stops and the key i
       return done
     }
   }
-  const { app } = await setup(t, { store, lease: LEASE })
-  const entered = deferred()
+  const { app } = await setup(t, { store, lease: LEASE, maxOwnership: 300 })
   const hang = deferred()
-  const closed = deferred()
   t.teardown(() => hang.resolve())
   let runs = 0
   app.post('/pay', async (_request, reply) => {
     const run = ++runs
-    if (run === 1) {
-      reply.raw.once('close', () => closed.resolve())
-      entered.resolve()
-      await hang.promise
-    }
+    if (run === 1) await hang.promise
     return reply.code(201).send({ id: `ch_${run}` })
   })
-  const port = await listen(app)
+  const first = app.inject(pay('stuck-1'))
+  await eventually(() => runs === 1)
+  await sleep(200)
+  t.equal((await app.inject(pay('stuck-1'))).statusCode, 409, 'within maxOwnership the live owner keeps its key')
 
-  const client = rawPost(port, 'lapse-1', '{"amount":100}')
-  await entered.promise
-  client.abort()
-  t.ok((await client.outcome).error, 'the client gave up')
-  await closed.promise // the server saw the connection go
-
-  const early = await app.inject(pay('lapse-1'))
-  t.equal(early.statusCode, 409, 'within the lease the handler might still finish: no second execution')
-  t.equal(runs, 1)
-
-  // Renewal would run every LEASE/3 ms; had it continued, the lease would never reach 0.
   const lapsed = await eventually(async () => {
-    const record: StoredRecord | null = await inner.get({ scope: SCOPE, key: 'lapse-1' })
+    const record: StoredRecord | null = await inner.get({ scope: SCOPE, key: 'stuck-1' })
     return record?.state === 'in_progress' && record.leaseRemainingMs === 0
-  }, LEASE * 4)
-  t.ok(lapsed, 'the lease lapses: the abandoned owner stopped renewing it')
-  if (!lapsed) return // the key is stuck; what follows would only repeat that
-
-  const retry = await app.inject(pay('lapse-1'))
-  t.equal(retry.statusCode, 201, 'the retry takes the key over instead of getting 409')
+  }, LEASE * 10)
+  t.ok(lapsed, 'after maxOwnership the lease is no longer renewed and lapses')
+  const retry = await app.inject(pay('stuck-1'))
+  t.equal(retry.statusCode, 201, 'a retry takes the stuck key over')
   t.same(retry.json(), { id: 'ch_2' })
   t.equal(runs, 2)
-  t.same(completions, [true], 'the new owner recorded its response')
 
-  // The stale owner finally answers: its completion is fenced off.
   hang.resolve()
-  t.ok(await eventually(() => completions.length === 2, 1000), 'the stale owner tried to record')
-  t.same(completions, [true, false], "the stale owner's completion was refused")
-  const replay = await app.inject(pay('lapse-1'))
-  t.equal(replay.headers['idempotent-replayed'], 'true')
-  t.same(replay.json(), { id: 'ch_2' }, "the record is still the new owner's")
+  t.equal((await first).statusCode, 201, 'the stuck owner still answers its own client')
+  t.ok(await eventually(() => completions.length === 2, 1000))
+  t.same(completions, [true, false], "the stuck owner's completion is fenced off")
+  const replay = await app.inject(pay('stuck-1'))
+  t.same(replay.json(), { id: 'ch_2' }, "the record is the new owner's")
 })

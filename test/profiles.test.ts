@@ -1,6 +1,6 @@
 import type { FastifyReply, LightMyRequestResponse } from 'fastify'
 import t, { type Test } from 'tap'
-import { memoryStore, type IdempotencyOptions, type IdempotencyStore, type ProblemKind, type ProfileName } from '../lib/index.js'
+import { memoryStore, RolledBackError, type IdempotencyOptions, type IdempotencyStore, type ProblemKind, type ProfileName } from '../lib/index.js'
 import { applyProblem, buildProblemBodies } from '../lib/problems.js'
 import { buildApp, deferred, keyed } from './helpers/app.js'
 
@@ -13,10 +13,13 @@ import { buildApp, deferred, keyed } from './helpers/app.js'
 
 const KINDS: readonly ProblemKind[] = [
   'key-missing', 'key-invalid', 'key-reused', 'request-in-progress', 'store-unavailable',
-  'response-not-retained', 'not-committed', 'key-unknown'
+  'response-not-retained', 'not-committed', 'outcome-unknown', 'key-unknown'
 ]
 
-/** A memory store that fails claims of `fail-` keys, and fails the commit of `commit-` keys in atomic mode. */
+/**
+ * A memory store that fails claims of `fail-` keys, and in atomic mode rolls back the commit of
+ * `commit-` keys and loses the answer to the commit of `unknown-` keys.
+ */
 function faultyStore (t: Test): IdempotencyStore {
   const inner = memoryStore({ purgeInterval: 0 })
   t.teardown(() => inner.close())
@@ -32,7 +35,8 @@ function faultyStore (t: Test): IdempotencyStore {
       return result.outcome === 'acquired' ? { ...result, transaction: {} } : result
     },
     complete: async (lease, response, ttl) => {
-      if (lease.key.startsWith('commit-')) throw new Error('could not serialize access due to concurrent update')
+      if (lease.key.startsWith('commit-')) throw new RolledBackError('the database rolled the transaction back (could not serialize access due to concurrent update)')
+      if (lease.key.startsWith('unknown-')) throw new Error('Connection terminated unexpectedly')
       return inner.complete(lease, response, ttl)
     }
   }
@@ -68,6 +72,7 @@ async function everyKind (t: Test, options: IdempotencyOptions): Promise<Record<
   t.equal((await post('/big', keyed('big'))).statusCode, 201, 'setup: the oversized original is answered')
   const notRetained = await post('/big', keyed('big'))
   const notCommitted = await post('/atomic', keyed('commit-1'))
+  const outcomeUnknown = await post('/atomic', keyed('unknown-1'))
   const unknown = await app.inject({ method: 'GET', url: '/idempotency-keys/never-used' })
   return {
     'key-missing': missing,
@@ -77,6 +82,7 @@ async function everyKind (t: Test, options: IdempotencyOptions): Promise<Record<
     'store-unavailable': unavailable,
     'response-not-retained': notRetained,
     'not-committed': notCommitted,
+    'outcome-unknown': outcomeUnknown,
     'key-unknown': unknown
   }
 }
@@ -134,6 +140,14 @@ const IETF: Readonly<Record<ProblemKind, Expected>> = {
       '"detail":"The transaction holding this operation and its Idempotency-Key could not be committed, so nothing was recorded ' +
       'and its writes were rolled back. Retry the same request."}'
   },
+  // New with the atomic mode's ambiguous commit (issue 12, case 9).
+  'outcome-unknown': {
+    status: 503,
+    body: '{"type":"tag:fastify-idempotency,2026:outcome-unknown","title":"Idempotent operation outcome is unknown","status":503,' +
+      '"detail":"The transaction holding this operation and its Idempotency-Key was sent to be committed, but whether it ' +
+      'committed could not be confirmed. Retry the same request with the same Idempotency-Key: it replays the recorded ' +
+      'response if the operation committed, and runs it if it did not."}'
+  },
   // New with the status route.
   'key-unknown': {
     status: 404,
@@ -185,6 +199,12 @@ const STRIPE: Readonly<Record<ProblemKind, Expected>> = {
     body: '{"error":{"message":"The operation for this idempotency key could not be committed, so nothing was recorded and its ' +
       'writes were rolled back. Retry the same request.","type":"api_error"}}'
   },
+  'outcome-unknown': {
+    status: 503,
+    shouldRetry: 'true',
+    body: '{"error":{"message":"The operation for this idempotency key was sent to be committed, but whether it committed ' +
+      'could not be confirmed. Retry the same request with the same idempotency key.","type":"api_error"}}'
+  },
   'key-unknown': {
     status: 404,
     shouldRetry: 'false',
@@ -210,7 +230,7 @@ for (const [profile, expected, contentType] of PROFILES) {
       t.match(res.headers['content-type'], contentType, `${kind}: content type`)
       t.equal(res.headers['cache-control'], 'no-store', `${kind}: never cached`)
       t.equal(res.headers['stripe-should-retry'], expected[kind].shouldRetry, `${kind}: Stripe-Should-Retry`)
-      const retries = kind === 'request-in-progress' || kind === 'store-unavailable'
+      const retries = kind === 'request-in-progress' || kind === 'store-unavailable' || kind === 'outcome-unknown'
       t.equal(res.headers['retry-after'], retries ? '1' : undefined, `${kind}: Retry-After`)
     }
   })

@@ -18,6 +18,7 @@ export interface Recovery {
   runStepInTransaction (lease: Lease, name: string, fn: (transaction: unknown) => Promise<unknown>, toJson: (value: unknown) => string): Promise<string | null>
   hold (lease: Lease): Promise<boolean>
   inspect (id: RecordId): Promise<InspectedRecord | null>
+  listHeld (limit: number): Promise<InspectedRecord[]>
   forceRelease (id: RecordId): Promise<boolean>
   /** The reconciler's view of the table; complete/release are the lease-mode statements. */
   source (complete: ReconcileSource['complete'], release: ReconcileSource['release']): ReconcileSource
@@ -27,7 +28,7 @@ export interface Recovery {
 const LOST = Symbol('lease lost')
 
 type InspectColumns = [
-  state: 'in_progress' | 'completed', algorithm: string, digest: Buffer, indeterminate: boolean, steps: StepResults,
+  state: 'in_progress' | 'completed', algorithm: string, digest: Buffer, indeterminate: boolean, steps: Record<string, unknown>,
   createdAt: Date, leaseRemaining: number, expiresIn: number, status: number | null,
   headers: StoredResponse['headers'] | null, body: Buffer | null
 ]
@@ -47,7 +48,10 @@ export function createRecovery (sql: PostgresClient, names: ResolvedNames): Reco
     WHERE ${owned} AND NOT (steps ? $4)`
 
   // The owner's lease ends now and no retry may take the record over: it waits for the reconciler.
-  const holdText = `UPDATE ${table} SET indeterminate = true, lease_expires_at = now() WHERE ${owned}`
+  // It never expires meanwhile ('infinity'): reclaimed as a fresh record at its ttl, it would lose
+  // its recorded steps and a retry would repeat effects that happened. Until the reconciler resolves
+  // it (complete, release, resume) or an operator force-releases it, it stays.
+  const holdText = `UPDATE ${table} SET indeterminate = true, lease_expires_at = now(), expires_at = 'infinity' WHERE ${owned}`
 
   // Candidates for the reconciler (the partial index on lease_expires_at of in-progress records).
   const findStuckText = `
@@ -66,24 +70,40 @@ export function createRecovery (sql: PostgresClient, names: ResolvedNames): Reco
 
   const leaveText = `UPDATE ${table} SET indeterminate = $4::boolean, lease_expires_at = now() WHERE ${owned}`
 
-  const inspectText = `
-    SELECT state, fingerprint_algorithm, fingerprint, indeterminate, steps, created_at,
-      CASE WHEN state = 'in_progress' THEN greatest(0, ceil(extract(epoch FROM lease_expires_at - now()) * 1000)) ELSE 0 END::float8,
-      greatest(0, floor(extract(epoch FROM expires_at - now()) * 1000))::float8,
-      response_status, response_headers, response_body
-    FROM ${table} WHERE scope = $1 AND key = $2 AND expires_at > now()`
+  // A resumed record waits for a retry to take it over; no longer held, it expires again, $4 ms from now at the earliest.
+  const resumeText = `
+    UPDATE ${table}
+    SET indeterminate = false, lease_expires_at = now(),
+        expires_at = CASE WHEN expires_at = 'infinity' THEN now() + ${ms(4)} ELSE greatest(expires_at, now() + ${ms(4)}) END
+    WHERE ${owned}`
+
+  const inspectColumns = `state, fingerprint_algorithm, fingerprint, indeterminate, steps, created_at,
+      CASE WHEN state = 'in_progress' THEN greatest(0, ceil((extract(epoch FROM lease_expires_at) - extract(epoch FROM now())) * 1000)) ELSE 0 END::float8,
+      greatest(0, floor((extract(epoch FROM expires_at) - extract(epoch FROM now())) * 1000))::float8,
+      response_status, response_headers, response_body`
+  const inspectText = `SELECT ${inspectColumns} FROM ${table} WHERE scope = $1 AND key = $2 AND expires_at > now()`
+
+  // Held records use the partial index of in-progress records; the set is small by design (it only
+  // grows when indeterminate failures are not reconciled).
+  const listHeldText = `
+    SELECT scope, key, ${inspectColumns} FROM ${table}
+    WHERE state = 'in_progress' AND indeterminate
+    ORDER BY created_at LIMIT $1::int`
 
   const forceReleaseText = `DELETE FROM ${table} WHERE scope = $1 AND key = $2 AND state = 'in_progress'`
 
   const run = (text: string, values: Value[]): ReturnType<typeof sql.unsafe> => sql.unsafe(text, values, { prepare: true })
   const fenced = (lease: Lease): Value[] => [lease.scope, lease.key, lease.token]
-  const stepEntry = (name: string, resultJson: string): string => `{${JSON.stringify(name)}:${resultJson}}`
+  // A step's JSON text is recorded as a jsonb STRING, not parsed into jsonb: jsonb refuses some
+  // JSON that JSON.stringify writes (\u0000, an unpaired surrogate escape), and a step that ran must
+  // always be recordable. decodeSteps turns the strings back into the values.
+  const stepEntry = (name: string, resultJson: string): string => `{${JSON.stringify(name)}:${JSON.stringify(resultJson)}}`
 
   return {
     async loadSteps (lease) {
       const rows = await run(loadStepsText, fenced(lease)).values()
-      const row = rows[0] as [StepResults] | undefined
-      return row === undefined ? null : row[0]
+      const row = rows[0] as [Record<string, unknown>] | undefined
+      return row === undefined ? null : decodeSteps(row[0])
     },
 
     async saveStep (lease, name, resultJson) {
@@ -119,20 +139,12 @@ export function createRecovery (sql: PostgresClient, names: ResolvedNames): Reco
     async inspect (id) {
       const rows = await run(inspectText, [id.scope, id.key]).values()
       const row = rows[0] as InspectColumns | undefined
-      if (row === undefined) return null
-      const [state, algorithm, digest, indeterminate, steps, createdAt, leaseRemaining, expiresIn, status, headers, body] = row
-      return {
-        scope: id.scope,
-        key: id.key,
-        state,
-        fingerprint: { algorithm, digest },
-        indeterminate,
-        steps,
-        createdAt,
-        leaseRemainingMs: leaseRemaining,
-        expiresInMs: expiresIn,
-        response: state === 'completed' && status !== null ? { statusCode: status, headers: headers ?? {}, body } : null
-      }
+      return row === undefined ? null : inspected(id, row)
+    },
+
+    async listHeld (limit) {
+      const rows = await run(listHeldText, [limit]).values() as unknown as Array<[string, string, ...InspectColumns]>
+      return rows.map(([scope, key, ...columns]) => inspected({ scope, key }, columns))
     },
 
     async forceRelease (id) {
@@ -149,15 +161,15 @@ export function createRecovery (sql: PostgresClient, names: ResolvedNames): Reco
         async acquire (candidate, olderThanMs, leaseMs) {
           const token = randomUUID()
           const rows = await run(acquireText, [candidate.scope, candidate.key, candidate.token, token, olderThanMs, leaseMs]).values()
-          const row = rows[0] as [string, Buffer, StepResults, boolean, Date] | undefined
+          const row = rows[0] as [string, Buffer, Record<string, unknown>, boolean, Date] | undefined
           if (row === undefined) return null
           const [algorithm, digest, steps, indeterminate, createdAt] = row
-          return { lease: { scope: candidate.scope, key: candidate.key, token }, fingerprint: { algorithm, digest }, steps, indeterminate, createdAt }
+          return { lease: { scope: candidate.scope, key: candidate.key, token }, fingerprint: { algorithm, digest }, steps: decodeSteps(steps), indeterminate, createdAt }
         },
         complete,
         release,
-        async resume (lease) {
-          const result = await run(leaveText, [...fenced(lease), false])
+        async resume (lease, ttlMs) {
+          const result = await run(resumeText, [...fenced(lease), ttlMs])
           return result.count === 1
         },
         async leave (lease, wasIndeterminate) {
@@ -167,4 +179,30 @@ export function createRecovery (sql: PostgresClient, names: ResolvedNames): Reco
       }
     }
   }
+}
+
+function inspected (id: RecordId, row: InspectColumns): InspectedRecord {
+  const [state, algorithm, digest, indeterminate, steps, createdAt, leaseRemaining, expiresIn, status, headers, body] = row
+  return {
+    scope: id.scope,
+    key: id.key,
+    state,
+    fingerprint: { algorithm, digest },
+    indeterminate,
+    steps: decodeSteps(steps),
+    createdAt,
+    leaseRemainingMs: leaseRemaining,
+    expiresInMs: expiresIn,
+    response: state === 'completed' && status !== null ? { statusCode: status, headers: headers ?? {}, body } : null
+  }
+}
+
+/** The recorded steps, by name: each is stored as its JSON text (see stepEntry). */
+function decodeSteps (stored: Record<string, unknown>): StepResults {
+  const steps: Record<string, unknown> = {}
+  for (const name of Object.keys(stored)) {
+    const json = stored[name]
+    steps[name] = typeof json === 'string' ? JSON.parse(json) : json
+  }
+  return steps
 }

@@ -90,15 +90,18 @@ export function createStatements (sql: PostgresClient | TransactionSql<any>, nam
   const table = `${identifier(sql, names.schema)}.${identifier(sql, names.table)}`
   /** now() plus the duration in ms bound as parameter $n. */
   const later = (n: number): string => `now() + $${n}::float8 * interval '1 millisecond'`
+  // Milliseconds from now until a timestamp, as epochs: a held record's expires_at is 'infinity'
+  // (drivers/postgres/recovery.ts), and PostgreSQL refuses to subtract infinite timestamps.
+  const msUntil = (column: string): string => `(extract(epoch FROM ${column}) - extract(epoch FROM now())) * 1000`
   // The record's columns as RecordColumns lists them. The lease's remaining time is computed by the
   // database (0 once lapsed; ceil so that it is 0 exactly when lease_expires_at <= now()). The body
   // of an expired record is not fetched: it is about to be replaced.
   const recordColumns = `
     state, fingerprint_algorithm, fingerprint, owner_token::text, expires_at <= now(),
     lease_expires_at <= now() AND NOT indeterminate,
-    greatest(0, ceil(extract(epoch FROM lease_expires_at - now()) * 1000))::float8,
+    greatest(0, ceil(${msUntil('lease_expires_at')}))::float8,
     response_status, response_headers, CASE WHEN expires_at > now() THEN response_body END,
-    greatest(0, floor(extract(epoch FROM expires_at - now()) * 1000))::float8`
+    greatest(0, floor(${msUntil('expires_at')}))::float8`
 
   // claim, reclaim and takeover bind the same values (claimValues), in this order:
   // $1 scope, $2 key, $3 digest, $4 algorithm, $5 new token, $6 lease ms, $7 ttl ms, $8 seen token.
@@ -154,11 +157,14 @@ export function createStatements (sql: PostgresClient | TransactionSql<any>, nam
   // records its outcome (the effect happened; recording it is what stops a second execution).
   // The headers are bound as JSON text and cast by the database: a parameter the database
   // describes as jsonb would be JSON-encoded by postgres.js a second time (into a JSON string).
+  // Retention counts from completion: in atomic mode this runs at the end of the request's
+  // transaction, where now() is the transaction's START, so a handler slower than the ttl would
+  // commit a record that is already expired; statement_timestamp() is this statement's start.
   const completeText = `
     UPDATE ${table}
     SET state = 'completed', response_status = $4::int,
         response_headers = $5::text::jsonb, response_body = $6::bytea,
-        lease_expires_at = NULL, expires_at = ${later(7)}
+        lease_expires_at = NULL, expires_at = statement_timestamp() + $7::float8 * interval '1 millisecond'
     WHERE scope = $1 AND key = $2 AND owner_token = $3::uuid AND state = 'in_progress'
   `
 

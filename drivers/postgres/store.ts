@@ -5,6 +5,7 @@ import { reconcileWith, startReconcilerWith, type ReconcileOptions, type Reconci
 import type {
   ClaimRequest, ClaimResult, IdempotencyStore, Lease, OutboxEntry, RecordId, StepResults, StoredRecord, StoredResponse
 } from '../../lib/store.js'
+import { integerOption } from '../../lib/validate.js'
 import { resolveStoreOptions, type PostgresStoreOptions } from './options.js'
 import { createOutbox, type DeliveryReport } from './outbox.js'
 import { createRecovery } from './recovery.js'
@@ -238,6 +239,10 @@ export function postgresStore (options: PostgresStoreOptions): PostgresStore {
     runStepInTransaction: recovery.runStepInTransaction,
     hold: (lease) => retrying(() => recovery.hold(lease)),
     inspect: (id) => retrying(() => recovery.inspect(id)),
+    listHeld: async (limit) => {
+      const most = integerOption('postgresStore.listHeld(limit)', limit, 100, 1, 100_000)
+      return await retrying(() => recovery.listHeld(most))
+    },
     forceRelease: (id) => retrying(() => recovery.forceRelease(id)),
 
     reconcile: (options: ReconcileOptions): Promise<ReconcileReport> => reconcileWith(reconcileSource, options, 'postgresStore.reconcile'),

@@ -1,5 +1,7 @@
 import { randomUUID } from 'node:crypto'
+import { readFile } from 'node:fs'
 import type { TransactionSql } from 'postgres'
+import { RolledBackError } from '../../lib/errors.js'
 import { fingerprintsEqual } from '../../lib/fingerprint.js'
 import type { ClaimRequest, ClaimResult, Lease, StoredResponse } from '../../lib/store.js'
 import type { PostgresClient, ResolvedNames } from './options.js'
@@ -38,20 +40,27 @@ export interface Transactions {
   owns (token: string): boolean
   commit (lease: Lease, response: StoredResponse, ttlMs: number): Promise<boolean>
   rollback (lease: Lease): Promise<boolean>
-  /** How many transactions are open (for tests and metrics: zero when idle means nothing leaked). */
+  /**
+   * How many transactions have not ended yet, counted until postgres.js has finished their COMMIT
+   * or ROLLBACK (for tests and metrics: zero when idle means nothing leaked).
+   */
   readonly size: number
 }
 
 export function createTransactions (sql: PostgresClient, names: ResolvedNames): Transactions {
   const open = new Map<string, OpenTransaction>()
+  let unfinished = 0
 
   function claimInTransaction (request: ClaimRequest & { readonly waitMs: number }): Promise<ClaimResult> {
     const token = randomUUID()
     return new Promise<ClaimResult>((resolveClaim, rejectClaim) => {
       let acquired = false
+      /** The callback returned with a recorded response: postgres.js sends COMMIT from here on. */
+      let commitSent = false
       let decide!: (decision: Decision) => void
       const decided = new Promise<Decision>((resolve) => { decide = resolve })
 
+      unfinished++
       const finished = sql.begin(async (tx) => {
         const statements = createStatements(tx, names)
         const outcome = await claimWithin(tx, statements, request, token)
@@ -65,21 +74,32 @@ export function createTransactions (sql: PostgresClient, names: ResolvedNames): 
         const decision = await decided
         guard.end()
         if (decision === null) throw ROLLBACK
-        if (!await statements.complete({ scope: request.scope, key: request.key, token }, decision.response, decision.ttlMs)) {
-          throw new Error('fastify-idempotency: the transaction no longer holds its record')
+        let recorded: boolean
+        try {
+          recorded = await statements.complete({ scope: request.scope, key: request.key, token }, decision.response, decision.ttlMs)
+        } catch (err) {
+          throw new RolledBackError('the transaction could not record its response, so it was rolled back', { cause: err })
         }
+        if (!recorded) throw new RolledBackError('the transaction no longer held its record, so it was rolled back')
+        commitSent = true
       })
 
       open.set(token, {
         decide (decision) {
           decide(decision)
-          return finished.then(() => {}, (err: unknown) => { if (err !== ROLLBACK) throw err })
+          return finished.then(() => {}, (err: unknown) => {
+            // A rollback that was asked for: whatever ROLLBACK itself answered, a transaction whose
+            // connection failed is rolled back by the server.
+            if (decision === null) return
+            throw commitError(err, commitSent)
+          })
         }
       })
       finished.then(
-        () => { open.delete(token) },
+        () => { open.delete(token); unfinished-- },
         (err: unknown) => {
           open.delete(token)
+          unfinished--
           if (acquired || err === ROLLBACK) return
           if ((err as { code?: unknown } | null)?.code === LOCK_TIMEOUT) {
             // Blocked for `waitMs` on an uncommitted claim of the same key: in progress. Its
@@ -107,8 +127,23 @@ export function createTransactions (sql: PostgresClient, names: ResolvedNames): 
     owns: (token) => open.has(token),
     commit: (lease, response, ttlMs) => settle(lease, { response, ttlMs }),
     rollback: (lease) => settle(lease, null),
-    get size () { return open.size }
+    get size () { return unfinished }
   }
+}
+
+/**
+ * What a failed commit means. Before COMMIT was sent (the record could not be written, the
+ * connection had died), nothing committed. After it, an error the server sent (a deferred
+ * constraint, a serialization failure) is a rollback too; anything else (the connection dropped
+ * while COMMIT was in flight) leaves the outcome unknown, and is passed on as it is: the plugin
+ * then says so instead of claiming a rollback (lib/store.ts, claimInTransaction).
+ */
+function commitError (err: unknown, commitSent: boolean): unknown {
+  if (err instanceof RolledBackError) return err
+  if (!commitSent || (err as { name?: unknown } | null)?.name === 'PostgresError') {
+    return new RolledBackError('the transaction was rolled back instead of committed', { cause: err })
+  }
+  return err
 }
 
 /**
@@ -153,30 +188,88 @@ async function claimWithin (
 }
 
 /**
- * postgres.js keeps running queries on a transaction handle after its transaction ended, in
- * autocommit: a handler still writing after a rollback (its client went away) would commit those
- * writes outside any transaction. The handle given to the handler refuses everything once ended.
+ * postgres.js keeps running queries on a transaction handle after its transaction ended, on the
+ * connection the transaction used, which by then is back in the pool: a handler still writing after
+ * a rollback (its client went away) would commit those writes outside any transaction, or inside
+ * another request's. The handle given to the handler refuses every query once the transaction
+ * ended, checked when the query is SENT (postgres.js sends a query when it is first awaited, so a
+ * query built before the end and awaited after is refused too), and the same holds for the handles
+ * of its savepoints (`sql.savepoint(fn)`) and for `sql.file()`.
  */
 export function guardTransaction (tx: TransactionSql<any>): { sql: TransactionSql<any>, end: () => void } {
-  let ended = false
-  const check = (): void => {
-    if (ended) {
-      throw new Error("fastify-idempotency: this request's transaction has ended (committed or rolled back); run no more queries through request.idempotency.sql")
-    }
-  }
-  const sql = new Proxy(tx, {
+  const transaction = { ended: false }
+  return { sql: guardHandle(tx, transaction), end: () => { transaction.ended = true } }
+}
+
+interface Ending { ended: boolean }
+
+/** The parts of a postgres.js Query the guard uses (src/query.js). */
+interface PendingQuery extends Promise<unknown> {
+  handler: ((query: PendingQuery) => unknown) & { debug?: unknown }
+  strings: readonly string[]
+  reject (error: unknown): void
+}
+
+const endedError = (): Error => new Error("fastify-idempotency: this request's transaction has ended (committed or rolled back); run no more queries through request.idempotency.sql")
+
+function guardHandle (handle: TransactionSql<any>, transaction: Ending): TransactionSql<any> {
+  const check = (): void => { if (transaction.ended) throw endedError() }
+  return new Proxy(handle, {
     apply (target, thisArg, args) {
       check()
-      return Reflect.apply(target as unknown as (...a: unknown[]) => unknown, thisArg, args)
+      return fenced(Reflect.apply(target as unknown as (...a: unknown[]) => unknown, thisArg, args), transaction)
     },
     get (target, property, receiver) {
       const value: unknown = Reflect.get(target, property, receiver)
       if (typeof value !== 'function') return value
-      return (...args: unknown[]) => {
-        check()
-        return (value as (...a: unknown[]) => unknown).apply(target, args)
+      const method = value as (...a: unknown[]) => unknown
+      if (property === 'savepoint') {
+        // The savepoint's own handle is guarded by the same transaction's end.
+        return (...args: unknown[]) => {
+          check()
+          return method.apply(target, args.map((arg) => typeof arg === 'function'
+            ? (savepoint: TransactionSql<any>) => (arg as (sql: TransactionSql<any>) => unknown)(guardHandle(savepoint, transaction))
+            : arg))
+        }
       }
+      if (property === 'file') return (...args: unknown[]) => { check(); return fencedFile(target, method.apply(target, args) as PendingQuery, String(args[0]), transaction) }
+      if (property === 'notify') {
+        return () => { throw new Error('fastify-idempotency: notify() on request.idempotency.sql runs on another connection, outside the transaction (postgres.js); use sql`select pg_notify(${channel}, ${payload})` so it is sent when the transaction commits') }
+      }
+      return (...args: unknown[]) => { check(); return fenced(method.apply(target, args), transaction) }
     }
   })
-  return { sql, end: () => { ended = true } }
+}
+
+function isQuery (value: unknown): value is PendingQuery {
+  return value instanceof Promise && typeof (value as Partial<PendingQuery>).handler === 'function' && 'strings' in value
+}
+
+/** A query is sent through its `handler`: the fenced one refuses it once the transaction ended. */
+function fenced<T> (value: T, transaction: Ending): T {
+  if (!isQuery(value)) return value
+  const send = value.handler
+  const guarded = (query: PendingQuery): unknown => transaction.ended ? query.reject(endedError()) : send(query)
+  value.handler = Object.assign(guarded, { debug: send.debug })
+  return value
+}
+
+/**
+ * `sql.file()` reads the file first and then sends the query itself, past its own `handler`: read
+ * here instead, and send through the transaction's handler (a tagged query's) after a last check.
+ */
+function fencedFile (handle: TransactionSql<any>, query: PendingQuery, path: string, transaction: Ending): PendingQuery {
+  const probe = (handle as unknown as (strings: TemplateStringsArray) => PendingQuery)(Object.assign([''], { raw: [''] }) as unknown as TemplateStringsArray)
+  const send = probe.handler
+  const read = (pending: PendingQuery): void => {
+    if (transaction.ended) return pending.reject(endedError())
+    readFile(path, 'utf8', (err, text) => {
+      if (err !== null) return pending.reject(err)
+      pending.strings = [text]
+      if (transaction.ended) return pending.reject(endedError())
+      send(pending)
+    })
+  }
+  query.handler = Object.assign(read, { debug: send.debug })
+  return query
 }

@@ -44,6 +44,16 @@ export function deferred<T = void> (): { promise: Promise<T>, resolve: (value: T
 
 export const sleep = (ms: number): Promise<void> => new Promise((resolve) => setTimeout(resolve, ms))
 
+/** Polls until `check` holds (every 10 ms, at most `ms`); returns whether it did. A bound, not a speed assertion. */
+export async function eventually (check: () => Promise<boolean> | boolean, ms = 3000): Promise<boolean> {
+  const until = Date.now() + ms
+  for (;;) {
+    if (await check()) return true
+    if (Date.now() > until) return false
+    await sleep(10)
+  }
+}
+
 /** Header object with a quoted (sf-string) key and a JSON content type. */
 export function keyed (key: string, extra: Record<string, string> = {}): Record<string, string> {
   return { 'idempotency-key': `"${key}"`, 'content-type': 'application/json', ...extra }

@@ -304,10 +304,11 @@ export function recoveryScenarios (t: Test, env: RecoveryEnvironment): void {
     h.between = () => {}
     paused.resolve()
     t.equal((await first).statusCode, 500)
-    t.ok(caught instanceof LeaseLostError, 'the step after the release could not be recorded')
+    t.ok(caught instanceof LeaseLostError, 'the step after the release was refused')
+    t.same(h.runs, { handler: 1, charge: 1, email: 0 }, 'the released owner never ran its next step (issue 12, case 5)')
     const retry = await h.order('forced')
     t.equal(retry.statusCode, 201)
-    t.same(h.runs, { handler: 2, charge: 2, email: 2 })
+    t.same(h.runs, { handler: 2, charge: 2, email: 1 }, 'only the retry, the key\'s owner now, sent the email')
   })
 
   t.test('inspect: scoped, and shows a completed record\'s response', async (t) => {
