@@ -73,7 +73,7 @@ export function parseArgs (argv: readonly string[]): ChaosConfig {
   const ratePerSecond = targeted !== null ? 0 : quick ? 20 : Math.min(60, Math.max(40, Math.ceil(12_000 / durationS)))
   // At 300 s, one scenario operation every 360 ms: about 90 of each scenario (180 of steps-partition),
   // for 50 crossings of each boundary with a margin.
-  const scenarioIntervalMs = targeted !== null ? 500 : quick ? 800 : 360
+  const scenarioIntervalMs = targeted !== null ? 500 : quick ? 700 : 360
   const scenarios = targeted ?? SCENARIOS
   const minCrossings = Object.fromEntries(BOUNDARIES.map((boundary) => {
     const reached = BOUNDARY_SCENARIOS[boundary].some((scenario) => scenarios.includes(scenario))
