@@ -8,17 +8,22 @@ import { fileURLToPath } from 'node:url'
 import t from 'tap'
 import { check, keyHistory, type ViolationKind } from './chaos/checker.js'
 import { FAULT_KINDS } from './chaos/faults.js'
+import type { EvidenceLine } from './chaos/evidence.js'
 import type { Attempt, Effect, History, Operation } from './chaos/history.js'
 import { get, post } from './chaos/http.js'
 import { seededRandom } from './chaos/random.js'
+import { BOUNDARIES } from './chaos/executions.js'
+import { PLANT_TARGETS, PLANTS } from './chaos/plants.js'
 import type { ChaosReport } from './chaos/report.js'
 import { startFaultProxy } from './helpers/fault-proxy.js'
 
 /**
  * The chaos harness (test/chaos/): its checker must catch each kind of violation planted in a
- * history, its fault proxy must inject each fault, and a quick run against the real plugin (3
- * instances, PostgreSQL, Redis, Redis Cluster, the fake provider, every fault kind) must end with
- * no violation and with evidence that every kind of fault actually bit.
+ * history (the evidence logs' invariants of issue 12 included), its fault proxy must inject each
+ * fault, a quick run against the real plugin (3 instances, PostgreSQL, Redis, Redis Cluster, the
+ * fake provider, every fault kind, every lease-boundary scenario) must end with no violation and
+ * with evidence that every kind of fault bit and every lease boundary was crossed, and each bug
+ * planted in the app (test/chaos/plants.ts) must be reported by a short targeted run.
  */
 
 const ROOT = path.resolve(path.dirname(fileURLToPath(import.meta.url)), '..')
@@ -28,8 +33,8 @@ const ROOT = path.resolve(path.dirname(fileURLToPath(import.meta.url)), '..')
 
 const ALPHA = 'acct-alpha'
 const BETA = 'acct-beta'
-const atomicOp: Operation = { id: 0, scope: ALPHA, key: 'k-1', mode: 'atomic', amount: 100, reuseAmount: 150 }
-const leaseOp: Operation = { id: 1, scope: BETA, key: 'k-1', mode: 'lease', amount: 200, reuseAmount: null }
+const atomicOp: Operation = { id: 0, scope: ALPHA, key: 'k-1', mode: 'atomic', amount: 100, reuseAmount: 150, scenario: null }
+const leaseOp: Operation = { id: 1, scope: BETA, key: 'k-1', mode: 'lease', amount: 200, reuseAmount: null, scenario: null }
 const bodyOf = (op: Operation, ref: string, scope = op.scope): string => JSON.stringify({ mode: op.mode, scope, key: op.key, amount: op.amount, ref })
 let clock = 0
 function attempt (op: Operation, outcome: Attempt['outcome'], reuse = false): Attempt {
@@ -60,7 +65,10 @@ function cleanHistory (): History {
       { scope: BETA, key: 'k-1', state: 'completed', responseStatus: 201 }
     ],
     faults: [{ kind: 'app-kill', at: 12, detail: 'instance 0 killed with 1 request(s) in flight', effective: true }],
-    crashes: [{ process: 'app instance 1', at: 30, exit: '1', knownCause: 'postgres.js 3.4.9: nextWrite() on a closed socket (porsager/postgres#1208)', stderr: 'TypeError' }]
+    crashes: [{ process: 'app instance 1', at: 30, exit: '1', knownCause: 'postgres.js 3.4.9: nextWrite() on a closed socket (porsager/postgres#1208)', stderr: 'TypeError' }],
+    evidence: [],
+    incarnations: [],
+    interventions: []
   }
 }
 
@@ -130,6 +138,187 @@ t.test('checker: the history of a key lists its attempts, the faults around them
 })
 
 // ---------------------------------------------------------------------------------------------
+// The checker on the evidence logs (executions.ts): the executions of a key rebuilt from them, the
+// invariants of issue 12 and the lease boundaries they count.
+
+const SHORT_LEASE = 300
+interface ExecutionSketch {
+  readonly pid: number
+  readonly instance: number
+  readonly req: string
+  readonly op: Operation
+  readonly token: string
+  readonly claimAt: number
+  readonly route?: string
+  readonly ttlMs?: number
+  readonly takeover?: boolean
+  /** Every 100 ms from the claim until then (ok), as the plugin renews a 300 ms lease. */
+  readonly renewUntil?: number
+  readonly handlerEnd: number | null
+  readonly threw?: boolean
+  readonly settle?: { readonly ev: 'complete' | 'release' | 'hold', readonly at: number, readonly ok: boolean }
+  readonly clientGoneAt?: number
+  readonly stream?: { readonly start: number, readonly end: number }
+  readonly steps?: ReadonlyArray<{ readonly name: string, readonly calledAt: number, readonly ranAt?: number, readonly refusedAt?: number }>
+}
+
+/** The evidence lines one execution leaves, as app.ts and its store wrapper write them. */
+function evidenceOf (e: ExecutionSketch): EvidenceLine[] {
+  const origin = { pid: e.pid, instance: e.instance }
+  const id = { scope: e.op.scope, key: e.op.key }
+  const lines: EvidenceLine[] = [
+    { ...origin, ...id, t: e.claimAt, ev: 'claim', end: e.claimAt + 2, outcome: 'acquired', takeover: e.takeover === true, token: e.token, transactional: false },
+    { ...origin, ...id, t: e.claimAt + 3, ev: 'exec-start', req: e.req, route: e.route ?? 'slow', leaseMs: SHORT_LEASE, ttlMs: e.ttlMs ?? 86_400_000 }
+  ]
+  for (let at = e.claimAt + 100; at <= (e.renewUntil ?? -1); at += 100) lines.push({ ...origin, ...id, t: at, ev: 'renew', end: at + 2, token: e.token, ok: true })
+  for (const step of e.steps ?? []) {
+    lines.push({ ...origin, t: step.calledAt, ev: 'step-call', req: e.req, name: step.name })
+    if (step.ranAt !== undefined) lines.push({ ...origin, t: step.ranAt, ev: 'step-run', req: e.req, name: step.name })
+    if (step.refusedAt !== undefined) lines.push({ ...origin, t: step.refusedAt, ev: 'step-refused', req: e.req, name: step.name, error: 'LeaseLostError' })
+  }
+  if (e.clientGoneAt !== undefined) lines.push({ ...origin, t: e.clientGoneAt, ev: 'client-gone', req: e.req })
+  if (e.stream !== undefined) {
+    lines.push({ ...origin, t: e.stream.start, ev: 'stream-start', req: e.req }, { ...origin, t: e.stream.end, ev: 'stream-end', req: e.req, how: 'end' })
+  }
+  if (e.handlerEnd !== null) lines.push({ ...origin, t: e.handlerEnd, ev: 'exec-end', req: e.req, how: e.threw === true ? 'threw' : 'returned' })
+  if (e.settle !== undefined) lines.push({ ...origin, ...id, t: e.settle.at, ev: e.settle.ev, end: e.settle.at + 2, token: e.token, ok: e.settle.ok })
+  return lines
+}
+
+const slowOp: Operation = { id: 2, scope: ALPHA, key: 'abandon-1', mode: 'lease', amount: 300, reuseAmount: null, scenario: 'abandon' }
+const heldOp: Operation = { id: 3, scope: BETA, key: 'held-1', mode: 'lease', amount: 400, reuseAmount: null, scenario: 'held' }
+const at = (op: Operation, startedAt: number, outcome: Attempt['outcome']): Attempt => ({ op: op.id, reuse: false, phase: 'load', instance: 1, startedAt, endedAt: startedAt + 20, outcome })
+
+/** A slow handler whose client left at 150 ms, retried meanwhile (409s), then replayed; a key held for the reconciler past its ttl. */
+const owner: ExecutionSketch = {
+  pid: 100, instance: 0, req: 'req-1', op: slowOp, token: 'tA', claimAt: 100, route: 'abandon', renewUntil: 1_500,
+  steps: [{ name: 'charge', calledAt: 110, ranAt: 111 }], clientGoneAt: 250, handlerEnd: 1_500, settle: { ev: 'complete', at: 1_501, ok: true }
+}
+const holder: ExecutionSketch = {
+  pid: 101, instance: 1, req: 'req-1', op: heldOp, token: 'tH', claimAt: 2_000, route: 'held', ttlMs: 1_000,
+  steps: [{ name: 'charge', calledAt: 2_010, ranAt: 2_011 }], handlerEnd: 2_050, threw: true, settle: { ev: 'hold', at: 2_051, ok: true }
+}
+function evidenceHistory (...sketches: ExecutionSketch[]): History {
+  const h = cleanHistory()
+  return {
+    ...h,
+    operations: [...h.operations, slowOp, heldOp],
+    attempts: [
+      ...h.attempts,
+      at(slowOp, 90, { kind: 'error', error: 'client-abort' }),
+      at(slowOp, 400, status(409)), at(slowOp, 700, status(409)), at(slowOp, 1_000, status(409)),
+      at(slowOp, 1_600, ok(slowOp, 'ch_7', true)),
+      at(heldOp, 1_990, status(500)), at(heldOp, 3_200, status(409)), at(heldOp, 4_400, status(409)),
+      at(heldOp, 5_200, ok(heldOp, 'ch_8', true))
+    ],
+    effects: [...h.effects, effect(slowOp, 'ch_7'), effect(heldOp, 'ch_8')],
+    evidence: [
+      ...evidenceOf(owner), ...evidenceOf(holder),
+      { t: 5_000, pid: 200, instance: -1, ev: 'resolve', scope: heldOp.scope, key: heldOp.key, action: 'complete' } satisfies EvidenceLine,
+      ...sketches.flatMap(evidenceOf)
+    ].sort((a, b) => a.t - b.t),
+    incarnations: [
+      { instance: 0, pid: 100, startedAt: 0, endedAt: null, end: null },
+      { instance: 1, pid: 101, startedAt: 0, endedAt: null, end: null },
+      { instance: 2, pid: 102, startedAt: 0, endedAt: null, end: null }
+    ]
+  }
+}
+
+/** Another execution of slowOp's key: on instance 2, a takeover at `claimAt`, recorded by its own complete. */
+const intruder = (claimAt: number, extra: Partial<ExecutionSketch> = {}): ExecutionSketch => ({
+  pid: 102, instance: 2, req: 'req-9', op: slowOp, token: 'tB', claimAt, takeover: true, renewUntil: claimAt + 1_000, handlerEnd: claimAt + 1_000, ...extra
+})
+
+t.test('checker (evidence): a clean history passes, and the boundaries it crossed are counted', async (t) => {
+  const result = check(evidenceHistory())
+  t.same(result.violations, [])
+  const stats = result.stats.executions
+  t.equal(stats.executions, 2)
+  t.equal(stats.clientDisconnects, 1)
+  t.equal(stats.holds, 1)
+  t.equal(stats.boundaries['retry-while-abandoned-handler-ran'], 3, 'the three 409s arrived while the abandoned handler still ran')
+  t.equal(stats.boundaries['held-past-ttl'], 1, 'retries of the held key after its ttl, before the reconciler resolved it')
+  t.equal(stats.handlersOutlivingLease, 1)
+})
+
+t.test('checker (evidence): each planted defect is reported with its kind', async (t) => {
+  const planted: Array<[string, ViolationKind[], History]> = [
+    ['a takeover while the owner still ran and renewed nothing (issue 12, cases 1 and 2)', ['concurrent-execution'], (() => {
+      const h = evidenceHistory(intruder(800))
+      // The owner stopped renewing at 400 ms and kept running.
+      return { ...h, evidence: h.evidence.filter((line) => !(line.ev === 'renew' && line.token === 'tA' && line.t > 400)) }
+    })()],
+    ['a takeover of a live lease (the owner renewed 100 ms before)', ['concurrent-execution'], evidenceHistory(intruder(800))],
+    ['an expired in-progress record reclaimed under a renewing owner (case 3)', ['concurrent-execution'], evidenceHistory(intruder(1_200, { takeover: false }))],
+    ['an execution after the outcome was recorded', ['execution-after-record'], evidenceHistory(intruder(1_700, { takeover: false, settle: { ev: 'complete', at: 2_700, ok: false } }))],
+    ['an execution while the key was held, after its ttl (case 4)', ['execution-while-held'], evidenceHistory({ ...holder, pid: 102, instance: 2, req: 'req-9', token: 'tH2', claimAt: 3_200, settle: undefined, handlerEnd: 3_260 })],
+    ['a stale owner\'s step run after a force release and a new execution (case 5)', ['stale-step', 'unfenced-step'], (() => {
+      const h = evidenceHistory(intruder(620, { takeover: false }))
+      const late: ExecutionSketch = { ...owner, renewUntil: 500, steps: [{ name: 'ship', calledAt: 1_200, ranAt: 1_201, refusedAt: 1_230 }], settle: { ev: 'complete', at: 1_501, ok: false } }
+      return {
+        ...h,
+        evidence: [...h.evidence.filter((line) => line.pid !== 100), ...evidenceOf(late)].sort((a, b) => a.t - b.t),
+        interventions: [{ kind: 'force-release', scope: slowOp.scope, key: slowOp.key, from: 600, to: 602, instance: null, effective: true }]
+      }
+    })()],
+    ['a step refused after its effect ran (the effect before the fence)', ['unfenced-step'], (() => {
+      const h = evidenceHistory()
+      const late: ExecutionSketch = { ...owner, steps: [{ name: 'charge', calledAt: 112, ranAt: 111, refusedAt: 140 }] }
+      return { ...h, evidence: [...h.evidence.filter((line) => line.pid !== 100), ...evidenceOf(late)].sort((a, b) => a.t - b.t) }
+    })()]
+  ]
+  for (const [name, expected, history] of planted) {
+    const found = [...new Set(kinds(history))]
+    t.same(found, expected, name)
+  }
+})
+
+t.test('checker (evidence): a second execution is allowed when the owner was dead, force-released, cut from the database or could not renew', async (t) => {
+  const stopped = (h: History): History => ({ ...h, evidence: h.evidence.filter((line) => !(line.ev === 'renew' && line.token === 'tA' && line.t > 400)) })
+  const dead = stopped(evidenceHistory(intruder(800)))
+  const died = {
+    ...dead,
+    evidence: dead.evidence.filter((line) => line.pid !== 100 || line.t < 450),
+    incarnations: dead.incarnations.map((i) => i.pid === 100 ? { ...i, endedAt: 450, end: 'killed' as const } : i)
+  }
+  t.same(kinds(died), [], 'the owner was SIGKILLed at 450 ms: it was not running')
+  t.equal(check(died).stats.executions.reexecutions['after-dead-owner'], 1)
+
+  const forced = { ...dead, interventions: [{ kind: 'force-release' as const, scope: slowOp.scope, key: slowOp.key, from: 600, to: 602, instance: null, effective: true }] }
+  t.same(kinds(forced), [], 'an operator force-released the key')
+  t.equal(check(forced).stats.executions.reexecutions['force-released'], 1)
+
+  const cut = { ...dead, interventions: [{ kind: 'partition' as const, scope: slowOp.scope, key: slowOp.key, from: 420, to: 1_000, instance: 0, effective: true }] }
+  t.same(kinds(cut), [], 'the owner\'s instance was cut from the database after its last renewal')
+  t.equal(check(cut).stats.executions.boundaries['partitioned-owner-taken-over'], 1)
+  const elsewhere = { ...cut, interventions: cut.interventions.map((i) => ({ ...i, instance: 1 })) }
+  t.same(kinds(elsewhere), ['concurrent-execution'], 'a partition of another instance excuses nothing')
+  const slowRenewal: EvidenceLine = { t: 500, end: 1_100, pid: 100, instance: 0, ev: 'renew', scope: slowOp.scope, key: slowOp.key, token: 'tA', ok: false }
+  const slow = { ...dead, evidence: [...dead.evidence, slowRenewal].sort((a, b) => a.t - b.t) }
+  t.same(kinds(slow), [], 'the owner kept renewing, but its renewal took 600 ms, longer than the lease')
+  t.equal(check(slow).stats.executions.reexecutions['store-too-slow'], 1)
+  const stall: EvidenceLine = { t: 450, end: 900, pid: 100, instance: 0, ev: 'stall' }
+  const frozen = { ...dead, evidence: [...dead.evidence, stall].sort((a, b) => a.t - b.t) }
+  t.same(kinds(frozen), [], 'the owner\'s process was frozen from 450 to 900 ms')
+  t.equal(check(frozen).stats.executions.reexecutions['owner-stalled'], 1)
+  const dbFault = { ...dead, faults: [...dead.faults, { kind: 'db-reset', at: 380, detail: 'reset', effective: true, from: 390, to: 1_400 }] }
+  t.same(kinds(dbFault), [], 'a database fault covered the time without renewal')
+  t.equal(check(dbFault).stats.executions.reexecutions['cut-from-db'], 1)
+})
+
+t.test('checker (evidence): a key\'s history shows its executions, renewals, steps, holds and the reconciler', async (t) => {
+  const text = keyHistory(evidenceHistory(), ALPHA, 'abandon-1')
+  t.match(text, /instance 0 pid 100 req-1: claim acquired/)
+  t.match(text, /execution starts \(abandon, lease 300 ms/)
+  t.match(text, /renewal\(s\), 14 ok/)
+  t.match(text, /client gone/)
+  t.match(text, /step "charge" called 0\.110s, fn ran 0\.111s/)
+  t.match(text, /complete → true/)
+  t.match(keyHistory(evidenceHistory(), BETA, 'held-1'), /hold → true[\s\S]*reconciler: complete/)
+})
+
+// ---------------------------------------------------------------------------------------------
 // The fault proxy (test/helpers/fault-proxy.ts), against a counting HTTP server.
 
 t.test('fault proxy: latency, dropped replies, resets, partitions, reproducible with a seed', async (t) => {
@@ -194,28 +383,42 @@ t.test('fault proxy: latency, dropped replies, resets, partitions, reproducible 
 })
 
 // ---------------------------------------------------------------------------------------------
-// The quick run, end to end.
+// The quick run, end to end, and each planted bug caught by a short targeted run.
 
-t.test('quick chaos run: no violation, and every kind of fault bit', async (t) => {
-  const seed = Number(process.env.CHAOS_SEED ?? Math.floor(Math.random() * 1_000_000))
+interface ChaosRun { readonly code: number | null, readonly output: string, readonly report: ChaosReport | null }
+
+async function runChaos (args: readonly string[], killAfterMs: number): Promise<ChaosRun> {
   const dir = mkdtempSync(path.join(tmpdir(), 'idem-chaos-test-'))
-  t.teardown(() => rmSync(dir, { recursive: true, force: true }))
   const reportFile = path.join(dir, 'report.json')
+  try {
+    const child = spawn(process.execPath, ['--import', 'tsx', 'test/chaos/run.ts', ...args, `--report=${reportFile}`], {
+      cwd: ROOT,
+      stdio: ['ignore', 'pipe', 'pipe']
+    })
+    let output = ''
+    child.stdout.on('data', (chunk: Buffer) => { output += chunk.toString() })
+    child.stderr.on('data', (chunk: Buffer) => { output += chunk.toString() })
+    const killer = setTimeout(() => child.kill('SIGTERM'), killAfterMs)
+    const code = await new Promise<number | null>((resolve) => child.once('close', resolve))
+    clearTimeout(killer)
+    let report: ChaosReport | null = null
+    try { report = JSON.parse(readFileSync(reportFile, 'utf8')) as ChaosReport } catch {}
+    return { code, output, report }
+  } finally {
+    rmSync(dir, { recursive: true, force: true })
+  }
+}
+
+// The quick run, the provider-key plant and the five targeted runs take about 3.5 minutes here.
+t.setTimeout(360_000)
+
+const seed = Number(process.env.CHAOS_SEED ?? Math.floor(Math.random() * 1_000_000))
+
+t.test('quick chaos run: no violation, every kind of fault bit, every lease boundary crossed', async (t) => {
   t.comment(`seed ${seed}: reproduce with npm run chaos -- --quick --seed=${seed}`)
-
-  const child = spawn(process.execPath, ['--import', 'tsx', 'test/chaos/run.ts', '--quick', `--seed=${seed}`, `--report=${reportFile}`], {
-    cwd: ROOT,
-    stdio: ['ignore', 'pipe', 'pipe']
-  })
-  let output = ''
-  child.stdout.on('data', (chunk: Buffer) => { output += chunk.toString() })
-  child.stderr.on('data', (chunk: Buffer) => { output += chunk.toString() })
-  const killer = setTimeout(() => child.kill('SIGTERM'), 100_000)
-  const code = await new Promise<number | null>((resolve) => child.once('close', resolve))
-  clearTimeout(killer)
-
+  const { code, output, report } = await runChaos(['--quick', `--seed=${seed}`], 100_000)
   t.equal(code, 0, 'the run passed', { output })
-  const report = JSON.parse(readFileSync(reportFile, 'utf8')) as ChaosReport
+  if (report === null) return
   t.same(report.violations, [], 'no violation')
   t.ok(report.stats.operations >= 100, `${report.stats.operations} operations`)
   t.equal(report.stats.completed, report.stats.operations, 'every operation ended with a 2xx')
@@ -226,6 +429,36 @@ t.test('quick chaos run: no violation, and every kind of fault bit', async (t) =
     t.ok(report.faults[kind].effective >= 1, `${kind} injected with evidence (${report.faults[kind].effective}/${report.faults[kind].injected})`)
   }
   t.same(report.faultsMissing, [])
+  for (const boundary of BOUNDARIES) {
+    t.ok(report.stats.executions.boundaries[boundary] >= 1, `${boundary} crossed (${report.stats.executions.boundaries[boundary]} times)`)
+  }
+  t.same(report.boundariesMissing, [])
+})
+
+t.test('planted bugs: each old behaviour (issue 12, cases 1-5) is reported as the violation it causes', async (t) => {
+  const plants = PLANTS.filter((plant) => PLANT_TARGETS[plant].scenario !== null)
+  // Three at a time: each run is mostly waiting (300 ms leases, 1 s ttls, the reconciler's passes).
+  const queue = [...plants]
+  const runs = new Map<string, ChaosRun>()
+  await Promise.all([0, 1, 2].map(async () => {
+    for (let plant = queue.shift(); plant !== undefined; plant = queue.shift()) {
+      const scenario = PLANT_TARGETS[plant].scenario as string
+      runs.set(plant, await runChaos([`--scenario=${scenario}`, '--duration=10', `--seed=${seed}`, `--plant=${plant}`], 90_000))
+    }
+  }))
+  for (const plant of plants) {
+    const { scenario, violation } = PLANT_TARGETS[plant]
+    const run = runs.get(plant) as ChaosRun
+    t.equal(run.code, 1, `${plant}: the targeted run (--scenario=${scenario ?? ''}) reports violations`, { output: run.output.slice(-4_000) })
+    const found = (run.report?.violations ?? []).filter((v) => v.kind === violation && v.key.startsWith(`${scenario ?? ''}-`))
+    t.ok(found.length > 0, `${plant}: ${violation} on a ${scenario ?? ''} key (${found.length})`, { kinds: [...new Set(run.report?.violations.map((v) => v.kind))] })
+  }
+})
+
+t.test('planted bug provider-key-per-attempt: a re-run with a fresh provider key charges twice', async (t) => {
+  const { code, output, report } = await runChaos(['--quick', '--duration=15', `--seed=${seed}`, '--plant=provider-key-per-attempt'], 90_000)
+  t.equal(code, 1, 'the quick run reports violations', { output: output.slice(-4_000) })
+  t.ok(report?.violations.some((v) => v.kind === 'duplicate-effect'), 'duplicate-effect')
 })
 
 t.test('http helper: a refused connection is an error, not a throw', async (t) => {

@@ -1,30 +1,41 @@
 /**
  * One instance of the chaos harness's payments API: a Fastify app using the plugin with the shared
  * Postgres store and a Redis pre-filter (standalone or cluster). Several run side by side on
- * loopback; the harness kills, restarts and skews them.
+ * loopback; the harness kills, restarts and skews them, and cuts each from the database on its own.
  *
  *   POST /payments/atomic  atomic mode: the effect is a ledger row written through the claim's
  *                          transaction (request.idempotency.sql)
  *   POST /payments/lease   lease mode: the effect is a charge at the fake provider, made with a key
  *                          derived from (scope, key), so a re-run after a takeover replays it
+ *   POST /scenarios/...    the lease-boundary situations (scenario-routes.ts): lease mode with a
+ *                          300 ms lease (and some a 1 s ttl), slow handlers, slow streams, two steps
+ *                          with a pause between them, an indeterminate failure after a step
  *   GET  /health           { instance, now }: `now` is the instance's (possibly skewed) clock
  *
- * Both answer 201 { mode, scope, key, amount, ref }: the scope is the account header's, so the
- * checker can see an answer that crossed scopes.
+ * Every route answers 201 { mode, scope, key, amount, ref } (a stream adds a padding member): the
+ * scope is the account header's, so the checker can see an answer that crossed scopes.
+ *
+ * Every execution leaves evidence in CHAOS_EVIDENCE (evidence.ts): the store calls that decide
+ * ownership, the handler's start and end, each step run or refused, a client disconnect, a stream's
+ * start and end. A planted bug (plants.ts, CHAOS_PLANT) sits between the plugin and that log.
  *
  * Run as `node --import tsx --import ./test/chaos/clock-skew.ts test/chaos/app.ts` with an IPC
  * channel; configured by CHAOS_* variables (see settingsFromEnv). Sends `{ type: 'ready' }` once
  * listening; `{ type: 'shutdown' }` closes it gracefully; it exits when the channel closes.
  */
 import { randomUUID } from 'node:crypto'
-import Fastify, { type FastifyRequest } from 'fastify'
+import { Readable } from 'node:stream'
+import Fastify, { type FastifyReply, type FastifyRequest } from 'fastify'
 import { Cluster, Redis } from 'ioredis'
 import postgres from 'postgres'
 import idempotency, { type IdempotencyContext } from '../../lib/index.js'
 import { postgresStore } from '../../drivers/postgres/index.js'
 import { redisPrefilter } from '../../drivers/redis/index.js'
 import { providerKeyFor } from './derive.js'
+import { evidenceLog, loggedStore, watchStalls } from './evidence.js'
 import { post } from './http.js'
+import { markStopped, plantedStore, PLANTS, type Plant, type StoppedRenewals } from './plants.js'
+import { SCENARIO_ROUTES, streamedParts, type ScenarioParameters } from './scenario-routes.js'
 
 interface Settings {
   readonly instance: number
@@ -39,7 +50,13 @@ interface Settings {
   readonly providerTimeoutMs: number
   /** Upper bound of a random pause inside each handler, after its effect: widens the crash windows. */
   readonly handlerDelayMs: number
+  /** The JSONL file this instance's evidence goes to (every incarnation appends). */
+  readonly evidenceFile: string
+  readonly plant: Plant | null
 }
+
+/** The app's default ttl (the plugin's): what exec-start reports for routes without their own. */
+const DEFAULT_TTL_MS = 86_400_000
 
 function settingsFromEnv (env: NodeJS.ProcessEnv): Settings {
   const need = (name: string): string => {
@@ -47,6 +64,8 @@ function settingsFromEnv (env: NodeJS.ProcessEnv): Settings {
     if (value === undefined || value === '') throw new Error(`chaos app: ${name} is required`)
     return value
   }
+  const plant = env.CHAOS_PLANT === undefined || env.CHAOS_PLANT === '' ? null : env.CHAOS_PLANT as Plant
+  if (plant !== null && !PLANTS.includes(plant)) throw new Error(`chaos app: unknown plant ${plant}`)
   return {
     instance: Number(need('CHAOS_INSTANCE')),
     port: Number(need('CHAOS_PORT')),
@@ -57,18 +76,16 @@ function settingsFromEnv (env: NodeJS.ProcessEnv): Settings {
     waitMs: Number(env.CHAOS_WAIT_MS ?? '250'),
     storeTimeoutMs: Number(env.CHAOS_STORE_TIMEOUT_MS ?? '2000'),
     providerTimeoutMs: Number(env.CHAOS_PROVIDER_TIMEOUT_MS ?? '1500'),
-    handlerDelayMs: Number(env.CHAOS_HANDLER_DELAY_MS ?? '30')
+    handlerDelayMs: Number(env.CHAOS_HANDLER_DELAY_MS ?? '30'),
+    evidenceFile: need('CHAOS_EVIDENCE'),
+    plant
   }
-}
-
-/** A step API, when the plugin has one (request.idempotency.step): the charge is then a recovery point. */
-type WithRecovery = IdempotencyContext & {
-  deriveKey?: (name: string) => string
-  step?: <T>(name: string, fn: () => Promise<T>) => Promise<T>
 }
 
 const settings = settingsFromEnv(process.env)
 const sleep = (ms: number): Promise<void> => new Promise((resolve) => setTimeout(resolve, ms))
+const log = evidenceLog(settings.evidenceFile, settings.instance)
+watchStalls(log)
 
 const sql = postgres(settings.databaseUrl, {
   max: 12,
@@ -108,7 +125,10 @@ function redisClient (): Redis | Cluster {
 
 const redis = redisClient()
 redis.on('error', () => {})
-const store = postgresStore({ sql, purgeInterval: 0 })
+const realStore = postgresStore({ sql, purgeInterval: 0 })
+/** Keys whose renewals a planted bug skips (abandon- and stream-stops-renewal). */
+const stoppedRenewals: StoppedRenewals = new Set()
+const store = plantedStore(loggedStore(realStore, log), settings.plant, sql, log, stoppedRenewals)
 const app = Fastify({ logger: { level: process.env.CHAOS_LOG_LEVEL ?? 'silent' } })
 
 // Authentication stand-in: the account header is the principal (draft §5: keys are scoped to it).
@@ -117,6 +137,14 @@ app.addHook('onRequest', async (request, reply) => {
     return reply.code(401).send({ error: 'x-account required' })
   }
 })
+
+if (settings.plant === 'stream-stops-renewal') {
+  // The planted bug's trigger: the response of an owner started (the old plugin stopped renewing here).
+  app.addHook('onSend', async (request) => {
+    const idem = request.idempotency
+    if (idem !== null && idem !== undefined && !idem.replayed) markStopped(stoppedRenewals, idem.scope, idem.key)
+  })
+}
 
 await app.register(idempotency, {
   store,
@@ -129,47 +157,201 @@ await app.register(idempotency, {
   retryAfter: 1
 })
 
-interface PaymentRequest { amount: number, currency: string }
+interface PaymentRequest extends ScenarioParameters { amount: number, currency: string }
 const bodySchema = {
   type: 'object',
   required: ['amount', 'currency'],
   additionalProperties: false,
   properties: { amount: { type: 'integer', minimum: 1 }, currency: { type: 'string', minLength: 3, maxLength: 3 } }
 } as const
+const scenarioBodySchema = {
+  ...bodySchema,
+  properties: {
+    ...bodySchema.properties,
+    delayMs: { type: 'integer', minimum: 0, maximum: 10_000 },
+    pauseMs: { type: 'integer', minimum: 0, maximum: 10_000 },
+    chunks: { type: 'integer', minimum: 0, maximum: 1_000 },
+    chunkBytes: { type: 'integer', minimum: 0, maximum: 65_536 },
+    intervalMs: { type: 'integer', minimum: 0, maximum: 1_000 }
+  }
+} as const
 
-app.post<{ Body: PaymentRequest }>('/payments/atomic', {
-  schema: { body: bodySchema },
-  config: { idempotency: { transaction: true } }
-}, async (request, reply) => {
-  const idem = request.idempotency
-  const tx = idem?.sql
-  if (idem === null || tx === undefined) throw new Error('not in atomic mode')
+type Handler = (request: FastifyRequest<{ Body: PaymentRequest }>, reply: FastifyReply, idem: IdempotencyContext) => Promise<FastifyReply>
+
+/**
+ * A route whose every execution leaves evidence: its start (with the route's lease and ttl), its
+ * end and how, the client leaving before its answer finished, the response closing.
+ */
+function route (path: string, name: string, options: { leaseMs: number, ttlMs: number, transaction?: boolean }, handler: Handler): void {
+  const idempotencyConfig = { lease: options.leaseMs, ttl: options.ttlMs, ...(options.transaction === true ? { transaction: true } : {}) }
+  app.post<{ Body: PaymentRequest }>(path, {
+    schema: { body: path.startsWith('/scenarios/') ? scenarioBodySchema : bodySchema },
+    config: { idempotency: idempotencyConfig }
+  }, async (request, reply) => {
+    const idem = request.idempotency
+    if (idem === null || idem === undefined) throw new Error('not protected')
+    const req = request.id
+    log({ ev: 'exec-start', req, scope: idem.scope, key: idem.key, route: name, leaseMs: options.leaseMs, ttlMs: options.ttlMs })
+    reply.raw.once('close', () => {
+      const finished = reply.raw.writableFinished
+      if (!finished) {
+        log({ ev: 'client-gone', req })
+        if (settings.plant === 'abandon-stops-renewal') markStopped(stoppedRenewals, idem.scope, idem.key)
+      }
+      log({ ev: 'response-close', req, finished })
+    })
+    try {
+      const sent = await handler(request, reply, idem)
+      log({ ev: 'exec-end', req, how: 'returned' })
+      return sent
+    } catch (err) {
+      log({ ev: 'exec-end', req, how: 'threw', error: (err as Error).name })
+      throw err
+    }
+  })
+}
+
+/**
+ * `request.idempotency.step(name, fn)` with evidence: the call, `fn` actually starting (and
+ * finishing), a refusal with LeaseLostError. The planted `step-before-fence` runs the effect first
+ * and hands step() its result, as the old step() ran `fn` before any fenced store call.
+ */
+async function step<T> (request: FastifyRequest, idem: IdempotencyContext, name: string, fn: () => Promise<T>): Promise<T> {
+  const req = request.id
+  log({ ev: 'step-call', req, name })
+  const effect = async (): Promise<T> => {
+    log({ ev: 'step-run', req, name })
+    const value = await fn()
+    log({ ev: 'step-done', req, name })
+    return value
+  }
+  try {
+    if (settings.plant === 'step-before-fence') {
+      const value = await effect()
+      return await idem.step(name, () => value)
+    }
+    return await idem.step(name, effect)
+  } catch (err) {
+    if ((err as Error).name === 'LeaseLostError') log({ ev: 'step-refused', req, name, error: (err as Error).message })
+    throw err
+  }
+}
+
+function providerKey (idem: IdempotencyContext): string {
+  return settings.plant === 'provider-key-per-attempt'
+    ? randomUUID() // the planted bug: a key per attempt, so a re-run charges again
+    : typeof idem.deriveKey === 'function' ? idem.deriveKey('charge') : providerKeyFor(idem.scope, idem.key, 'charge')
+}
+
+function charge (request: FastifyRequest<{ Body: PaymentRequest }>, idem: IdempotencyContext): () => Promise<{ id: string }> {
+  return () => chargeAtProvider(providerKey(idem), idem.scope, idem.key, request.body)
+}
+
+function answer (reply: FastifyReply, idem: IdempotencyContext, amount: number, ref: string): FastifyReply {
+  return reply.code(201).send({ mode: 'lease', scope: idem.scope, key: idem.key, amount, ref })
+}
+
+route('/payments/atomic', 'atomic', { leaseMs: settings.leaseMs, ttlMs: DEFAULT_TTL_MS, transaction: true }, async (request, reply, idem) => {
+  const tx = idem.sql
+  if (tx === undefined) throw new Error('not in atomic mode')
   const ref = randomUUID()
   await tx`INSERT INTO ledger (id, scope, key, amount) VALUES (${ref}, ${idem.scope}, ${idem.key}, ${request.body.amount})`
   await sleep(Math.random() * settings.handlerDelayMs)
   return reply.code(201).send({ mode: 'atomic', scope: idem.scope, key: idem.key, amount: request.body.amount, ref })
 })
 
-app.post<{ Body: PaymentRequest }>('/payments/lease', { schema: { body: bodySchema } }, async (request, reply) => {
-  const idem = request.idempotency as WithRecovery | null
-  if (idem === null) throw new Error('not protected')
-  const providerKey = process.env.CHAOS_PLANT === 'provider-key-per-attempt'
-    ? randomUUID() // the planted bug (run.ts --plant): a key per attempt, so a re-run charges again
-    : typeof idem.deriveKey === 'function' ? idem.deriveKey('charge') : providerKeyFor(idem.scope, idem.key, 'charge')
-  const call = (): Promise<{ id: string }> => chargeAtProvider(providerKey, idem.scope, idem.key, request.body)
-  const charge = typeof idem.step === 'function' ? await idem.step('charge', call) : await call()
+route('/payments/lease', 'lease', { leaseMs: settings.leaseMs, ttlMs: DEFAULT_TTL_MS }, async (request, reply, idem) => {
+  const result = await step(request, idem, 'charge', charge(request, idem))
   await sleep(Math.random() * settings.handlerDelayMs)
-  return reply.code(201).send({ mode: 'lease', scope: idem.scope, key: idem.key, amount: request.body.amount, ref: charge.id })
+  return answer(reply, idem, request.body.amount, result.id)
+})
+
+const scenarioOptions = (scenario: keyof typeof SCENARIO_ROUTES): { leaseMs: number, ttlMs: number } =>
+  ({ leaseMs: SCENARIO_ROUTES[scenario].leaseMs, ttlMs: SCENARIO_ROUTES[scenario].ttlMs ?? DEFAULT_TTL_MS })
+
+// A charge (a recovery point), then a handler slower than the lease (slow) and than the ttl (slow-ttl);
+// abandon: the same, while its client has left.
+for (const scenario of ['slow', 'slow-ttl', 'abandon'] as const) {
+  route(SCENARIO_ROUTES[scenario].path, scenario, scenarioOptions(scenario), async (request, reply, idem) => {
+    const result = await step(request, idem, 'charge', charge(request, idem))
+    await sleep(request.body.delayMs ?? 0)
+    return answer(reply, idem, request.body.amount, result.id)
+  })
+}
+
+// A charge (with its derived key, no step), then the answer streamed slowly: `chunks` parts of
+// padding, one every `intervalMs` (stream-paused: large parts, and a client that stops reading).
+route(SCENARIO_ROUTES.stream.path, 'stream', scenarioOptions('stream'), async (request, reply, idem) => {
+  const result = await charge(request, idem)()
+  const parts = streamedParts({ mode: 'lease', scope: idem.scope, key: idem.key, amount: request.body.amount, ref: result.id }, request.body.chunks ?? 10, request.body.chunkBytes ?? 1_024)
+  const req = request.id
+  const body = slowStream(parts, request.body.intervalMs ?? 100, () => log({ ev: 'stream-start', req }), (how) => log({ ev: 'stream-end', req, how }))
+  reply.header('content-type', 'application/json; charset=utf-8')
+  return reply.code(201).send(body)
+})
+
+// Two steps with a pause between them, during which the harness force-releases the key or cuts this
+// instance from the database: the second step of a stale owner must not run.
+route(SCENARIO_ROUTES['steps-force'].path, 'steps', scenarioOptions('steps-force'), async (request, reply, idem) => {
+  // A local effect (a reservation): only the evidence log sees it.
+  await step(request, idem, 'reserve', async () => ({ reservation: `${settings.instance}:${process.pid}:${request.id}` }))
+  await sleep(request.body.pauseMs ?? 0)
+  const result = await step(request, idem, 'charge', charge(request, idem))
+  return answer(reply, idem, request.body.amount, result.id)
+})
+
+// A charge, then an answer nobody can interpret: the failure is indeterminate and the key is held for
+// the reconciler (reconcile-policy.ts completes it from the recorded charge, after HELD_MIN_MS).
+route(SCENARIO_ROUTES.held.path, 'held', scenarioOptions('held'), async (request, _reply, idem) => {
+  await step(request, idem, 'charge', charge(request, idem))
+  idem.markIndeterminate()
+  log({ ev: 'mark-indeterminate', req: request.id })
+  throw new Error('chaos: the bank\'s answer after the charge was ambiguous (indeterminate failure)')
 })
 
 app.get('/health', async () => ({ instance: settings.instance, now: Date.now() }))
 
+/**
+ * A body pushed one part per `intervalMs`, and only when the reader asks for more: a client that
+ * stops reading holds it up once the buffers between them are full.
+ */
+function slowStream (parts: readonly Buffer[], intervalMs: number, onStart: () => void, onEnd: (how: 'end' | 'destroyed') => void): Readable {
+  let next = 0
+  let timer: NodeJS.Timeout | null = null
+  let finished = false
+  const finish = (how: 'end' | 'destroyed'): void => {
+    if (finished) return
+    finished = true
+    onEnd(how)
+  }
+  const stream = new Readable({
+    read () {
+      if (next === 0 && timer === null) onStart()
+      if (timer !== null) return
+      timer = setTimeout(() => {
+        timer = null
+        const part = parts[next++]
+        if (part === undefined) return
+        stream.push(part)
+        if (next === parts.length) stream.push(null)
+      }, next === 0 ? 0 : intervalMs)
+    },
+    destroy (err, callback) {
+      if (timer !== null) clearTimeout(timer)
+      finish('destroyed')
+      callback(err)
+    }
+  })
+  stream.once('end', () => finish('end'))
+  return stream
+}
+
 /** Any failure (a timeout, a reset, a non-201) throws: the plugin releases the key and the client retries. */
-async function chargeAtProvider (providerKey: string, scope: string, key: string, body: PaymentRequest): Promise<{ id: string }> {
+async function chargeAtProvider (key: string, scope: string, idempotencyKey: string, body: PaymentRequest): Promise<{ id: string }> {
   const result = await post(settings.providerPort, '/charges', {
     'content-type': 'application/json',
-    'idempotency-key': providerKey
-  }, JSON.stringify({ amount: body.amount, currency: body.currency, scope, key }), settings.providerTimeoutMs)
+    'idempotency-key': key
+  }, JSON.stringify({ amount: body.amount, currency: body.currency, scope, key: idempotencyKey }), settings.providerTimeoutMs)
   if (!result.ok) throw new Error(`provider unreachable: ${result.error}`)
   if (result.status !== 201) throw new Error(`provider answered ${result.status}: ${result.body}`)
   return JSON.parse(result.body) as { id: string }
@@ -180,7 +362,7 @@ async function shutdown (): Promise<void> {
   force.unref()
   try {
     await app.close()
-    await store.close()
+    await realStore.close()
     // Bounded: postgres.js 3.4.9's end() can hang after a connection died mid-query (porsager/postgres#1097).
     await sql.end({ timeout: 1 })
     redis.disconnect()

@@ -1,3 +1,4 @@
+import { checkExecutions, evidenceHistory, rebuildExecutions, type ExecutionStats, type ExecutionViolationKind } from './executions.js'
 import { recordId, type Attempt, type Effect, type History, type Operation, type PaymentBody } from './history.js'
 
 /**
@@ -11,6 +12,31 @@ import { recordId, type Attempt, type Effect, type History, type Operation, type
  * - a key reused with a different body is refused with 422 and never executed (draft §2.4);
  * - no record stays in progress once the faults stopped and the leases ran out;
  * - no process of the system dies on its own, unless a known defect outside the plugin explains it.
+ *
+ * And, on the executions rebuilt from the instances' evidence logs (executions.ts), which a
+ * provider's idempotency key cannot hide (a re-run that the provider answered from its own record
+ * is still a second execution):
+ *
+ * - concurrent-execution: no execution of a key starts (its claim ends) while an earlier execution
+ *   of it still runs and has not given the key up (complete, release, hold), unless that owner was
+ *   dead (its process ended first: then it was not running), force-released by an operator, or cut
+ *   from the database (a database fault, or a partition of its instance, covered the time between
+ *   its last successful renewal and the new claim). A takeover within a lease of the owner's last
+ *   successful renewal is a violation even then: the store handed over a live lease.
+ * - execution-after-record: no execution starts after an earlier one recorded the outcome
+ *   (complete returned true) until the route's ttl from that completion ended; on a long-ttl
+ *   route (or once the reconciler completed the key), none after a client received a replay.
+ * - execution-while-held: no execution starts after an owner held the key for the reconciler
+ *   (hold returned true) until the reconciler resolved it (complete, release, resume) or an
+ *   operator force-released it, however long after the ttl.
+ * - stale-step: no step `fn` starts after a later execution of the same key started (the old
+ *   owner's step must be refused by the fenced store call step() makes first), except when a force
+ *   release landed between that step's call and its `fn` (the fence passed just before it).
+ * - unfenced-step: no step whose `fn` ran is then refused with LeaseLostError (the effect happened
+ *   without the key), unless a force release or a database fault came while `fn` ran.
+ *
+ * Re-executions that are allowed are counted by reason, and so are the lease boundaries the run
+ * crossed (executions.ts, BOUNDARIES): a run that never reached one proves nothing about it.
  */
 
 export type ViolationKind =
@@ -28,6 +54,7 @@ export type ViolationKind =
   | 'reuse-not-refused'
   | 'stuck-in-progress'
   | 'process-crash'
+  | ExecutionViolationKind
 
 export interface Violation {
   readonly kind: ViolationKind
@@ -53,6 +80,8 @@ export interface CheckStats {
   /** Processes that died on their own, and how many of those a known outside defect explains. */
   readonly crashes: number
   readonly knownCrashes: number
+  /** What the evidence logs show: executions, re-executions by reason, the lease boundaries crossed. */
+  readonly executions: ExecutionStats
 }
 
 export interface CheckResult {
@@ -157,6 +186,9 @@ export function check (history: History): CheckResult {
     }
   }
 
+  const executions = checkExecutions(history, rebuildExecutions(history))
+  violations.push(...executions.findings)
+
   return {
     violations,
     stats: {
@@ -169,7 +201,8 @@ export function check (history: History): CheckResult {
       reusesRefused,
       leaseReruns,
       crashes: history.crashes.length,
-      knownCrashes: history.crashes.filter((crash) => crash.knownCause !== null).length
+      knownCrashes: history.crashes.filter((crash) => crash.knownCause !== null).length,
+      executions: executions.stats
     }
   }
 }
@@ -221,6 +254,13 @@ export function keyHistory (history: History, scope: string, key: string): strin
     for (const crash of history.crashes) {
       if (crash.at >= first - 5_000 && crash.at <= last + 1_000) events.push({ at: crash.at, line: `  ${fmt(crash.at)} ${crash.process} died (${crash.knownCause ?? 'cause unknown'})` })
     }
+    for (const incarnation of history.incarnations) {
+      const ended = incarnation.endedAt
+      if (ended !== null && incarnation.end !== 'shutdown' && ended >= first - 5_000 && ended <= last + 1_000) {
+        events.push({ at: ended, line: `  ${fmt(ended)} instance ${incarnation.instance} pid ${incarnation.pid} ${incarnation.end ?? 'ended'}` })
+      }
+    }
+    events.push(...evidenceHistory(history, rebuildExecutions(history), scope, key))
     for (const event of events.sort((a, b) => a.at - b.at)) lines.push(event.line)
   }
   for (const effect of history.effects.filter((e) => recordId(e.scope, e.key) === id)) {

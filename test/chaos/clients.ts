@@ -1,7 +1,9 @@
-import type { Attempt, AttemptOutcome, Mode, Operation } from './history.js'
-import { post } from './http.js'
+import type { Attempt, AttemptOutcome, Intervention, Operation } from './history.js'
+import { post, type Departure } from './http.js'
 import type { AppInstance } from './instances.js'
 import type { Random } from './random.js'
+import { SCENARIO_ROUTES, type Scenario, type ScenarioParameters } from './scenario-routes.js'
+import { runScenario, scenarioParameters, type ScenarioClient } from './scenarios.js'
 
 /**
  * The clients: many concurrent logical operations, each with ONE key reused for every attempt,
@@ -10,6 +12,9 @@ import type { Random } from './random.js'
  * Some operations start as a storm of concurrent duplicates, some re-send after their answer (to
  * collect replays), some have their key reused with a different body by a misbehaving client, and
  * some share their key string with an operation of another scope.
+ *
+ * Besides them, the lease-boundary scenarios (scenarios.ts) start one operation every
+ * `scenarioIntervalMs`, each scenario in turn, so every one of them runs about as often.
  */
 
 export interface WorkloadSettings {
@@ -24,6 +29,17 @@ export interface WorkloadSettings {
   readonly sharedKeyShare: number
   readonly stormShare: number
   readonly replayCheckShare: number
+  /** The lease-boundary scenarios this run drives, in turn (none: only the payments above). */
+  readonly scenarios: readonly Scenario[]
+  readonly scenarioIntervalMs: number
+}
+
+/** What the workload asks of the harness for the scenarios. */
+export interface WorkloadHooks {
+  /** `store.forceRelease` on the harness's own store: true when an in-progress record was deleted. */
+  readonly forceRelease: (scope: string, key: string) => Promise<boolean>
+  /** The names of the steps recorded on the key's in-progress record (`store.inspect`), or null. */
+  readonly recordedSteps: (scope: string, key: string) => Promise<string[] | null>
 }
 
 interface OperationState {
@@ -38,11 +54,16 @@ const sleep = (ms: number): Promise<void> => new Promise((resolve) => setTimeout
 export class Workload {
   readonly operations: Operation[] = []
   readonly attempts: Attempt[] = []
+  /** Force releases and partitions the scenarios made. */
+  readonly interventions: Intervention[] = []
   /** Operations the load phase could not start because maxConcurrent were already running. */
   throttled = 0
   private readonly states = new Map<number, OperationState>()
   private readonly keysByScope = new Map<string, Set<string>>()
   private active = 0
+  private readonly parameters = new Map<number, ScenarioParameters>()
+  /** Draws the scenario operations, apart from `draw`: the payments' sequence is the same with or without them. */
+  private readonly scenarioDraw: Random
 
   constructor (
     private readonly instances: readonly AppInstance[],
@@ -51,15 +72,31 @@ export class Workload {
     private readonly draw: Random,
     /** Instance choice and jitter, which depend on timing anyway. */
     private readonly jitter: Random,
-    private readonly now: () => number
-  ) {}
+    private readonly now: () => number,
+    private readonly hooks: WorkloadHooks
+  ) {
+    this.scenarioDraw = draw.fork('scenarios')
+  }
 
   /** Starts operations at the configured rate until `untilMs`, then waits for them (they stop retrying at `untilMs`). */
   async runLoad (untilMs: number): Promise<void> {
     const startedAt = this.now()
     const running = new Set<Promise<void>>()
     let started = 0
+    let scenariosStarted = 0
+    // The last scenario starts early enough to reach its boundary before the faults stop.
+    const scenariosUntil = untilMs - 3_000
+    // steps-partition twice a turn: a third of its partitions meet an owner that a fault already
+    // took out (a failed claim, a kill), and each takes only one boundary with it.
+    const rotation = this.settings.scenarios.flatMap((scenario) => scenario === 'steps-partition' ? [scenario, scenario] : [scenario])
     while (this.now() < untilMs) {
+      while (rotation.length > 0 && this.now() < scenariosUntil && this.now() - startedAt >= scenariosStarted * this.settings.scenarioIntervalMs) {
+        const scenario = rotation[scenariosStarted % rotation.length] as Scenario
+        scenariosStarted++
+        const run = this.runScenarioOperation(this.newScenarioOperation(scenario), untilMs)
+        running.add(run)
+        void run.finally(() => running.delete(run))
+      }
       const due = Math.floor((this.now() - startedAt) / 1000 * this.settings.ratePerSecond) - started
       for (let i = 0; i < due; i++) {
         started++
@@ -128,7 +165,8 @@ export class Workload {
     let key = `op-${draw.hex128()}`
     if (draw.chance(this.settings.sharedKeyShare)) {
       // The same key string in another scope is another operation (draft §5): both must execute.
-      const other = this.operations.findLast((op) => op.scope !== scope && !keys.has(op.key))
+      // Never a scenario's key: its prefix routes it (the reconciler's policy reads it).
+      const other = this.operations.findLast((op) => op.scenario === null && op.scope !== scope && !keys.has(op.key))
       if (other !== undefined) key = other.key
     }
     keys.add(key)
@@ -139,11 +177,73 @@ export class Workload {
       key,
       mode: draw.chance(this.settings.atomicShare) ? 'atomic' : 'lease',
       amount,
-      reuseAmount: draw.chance(this.settings.reuseShare) ? amount + draw.int(1, 500) : null
+      reuseAmount: draw.chance(this.settings.reuseShare) ? amount + draw.int(1, 500) : null,
+      scenario: null
     }
     this.operations.push(op)
     this.states.set(op.id, { answered: false, reuseRefused: false })
     return op
+  }
+
+  private newScenarioOperation (scenario: Scenario): Operation {
+    const draw = this.scenarioDraw
+    const scope = draw.pick(this.settings.scopes)
+    const key = `${scenario}-${draw.hex128()}`
+    // Registered, so a payment sharing a key string across scopes never lands on this one's (scope, key).
+    const keys = this.keysByScope.get(scope) ?? new Set<string>()
+    this.keysByScope.set(scope, keys)
+    keys.add(key)
+    const op: Operation = {
+      id: this.operations.length,
+      scope,
+      key,
+      mode: 'lease',
+      amount: draw.int(100, 99_999),
+      reuseAmount: null,
+      scenario
+    }
+    this.parameters.set(op.id, scenarioParameters(scenario, draw))
+    this.operations.push(op)
+    this.states.set(op.id, { answered: false, reuseRefused: false })
+    return op
+  }
+
+  private async runScenarioOperation (op: Operation, untilMs: number): Promise<void> {
+    const client: ScenarioClient = {
+      instances: this.instances,
+      jitter: this.jitter,
+      attempt: async (target, options) => {
+        const outcome = await this.send(target, false, 'load', options)
+        if (outcome.kind === 'response' && outcome.status >= 200 && outcome.status < 300) this.stateOf(target).answered = true
+        return outcome
+      },
+      untilAnswered: (target, options) => this.untilAnswered(target, 'load', untilMs, options.maxAttempts ?? this.settings.maxAttempts, options),
+      untilStepRecorded: async (target, name, timeoutMs) => {
+        const deadline = this.now() + timeoutMs
+        while (this.now() < deadline) {
+          const steps = await this.hooks.recordedSteps(target.scope, target.key).catch(() => null)
+          if (steps?.includes(name) === true) return true
+          await sleep(25)
+        }
+        return false
+      },
+      forceRelease: async (target) => {
+        const from = this.now()
+        let effective = false
+        try {
+          effective = await this.hooks.forceRelease(target.scope, target.key)
+        } catch {}
+        this.interventions.push({ kind: 'force-release', scope: target.scope, key: target.key, from, to: this.now(), instance: null, effective })
+      },
+      partition: async (instance, target, ms) => {
+        const from = this.now()
+        await instance.partition(ms)
+        this.interventions.push({ kind: 'partition', scope: target.scope, key: target.key, from, to: this.now(), instance: instance.index, effective: true })
+      }
+    }
+    try {
+      await runScenario(op.scenario as Scenario, op, client)
+    } catch {}
   }
 
   private stateOf (op: Operation): OperationState {
@@ -164,15 +264,17 @@ export class Workload {
     }
   }
 
-  private async untilAnswered (op: Operation, phase: Attempt['phase'], untilMs: number, maxAttempts: number): Promise<void> {
+  private async untilAnswered (op: Operation, phase: Attempt['phase'], untilMs: number, maxAttempts: number, options: { avoid?: AppInstance, impatient?: boolean } = {}): Promise<void> {
     const state = this.stateOf(op)
     for (let n = 0; !state.answered && n < maxAttempts && this.now() < untilMs; n++) {
-      const outcome = await this.send(op, false, phase)
+      const others = options.avoid === undefined ? [] : this.instances.filter((instance) => instance !== options.avoid && instance.running)
+      const outcome = await this.send(op, false, phase, others.length > 0 ? { instance: this.jitter.pick(others) } : {})
       if (outcome.kind === 'response' && outcome.status >= 200 && outcome.status < 300) {
         state.answered = true
         return
       }
-      await this.pause(outcome, n)
+      if (state.answered) return
+      await (options.impatient === true ? sleep(150 + this.jitter() * 150) : this.pause(outcome, n))
     }
   }
 
@@ -197,9 +299,9 @@ export class Workload {
     return sleep(this.jitter() * Math.min(BACKOFF_CAP_MS, BACKOFF_BASE_MS * 2 ** attempt))
   }
 
-  private async send (op: Operation, reuse: boolean, phase: Attempt['phase']): Promise<AttemptOutcome> {
-    const instance = this.jitter.pick(this.instances)
-    const body = JSON.stringify({ amount: reuse ? op.reuseAmount : op.amount, currency: 'EUR' })
+  private async send (op: Operation, reuse: boolean, phase: Attempt['phase'], options: { instance?: AppInstance, departure?: Departure } = {}): Promise<AttemptOutcome> {
+    const instance = options.instance ?? this.jitter.pick(this.instances)
+    const body = JSON.stringify({ amount: reuse ? op.reuseAmount : op.amount, currency: 'EUR', ...this.parameters.get(op.id) })
     const headers = {
       'content-type': 'application/json',
       'idempotency-key': `"${op.key}"`,
@@ -207,7 +309,7 @@ export class Workload {
     }
     const startedAt = this.now()
     instance.inFlight++
-    const result = await post(instance.proxy.port, pathOf(op.mode), headers, body, this.settings.attemptTimeoutMs)
+    const result = await post(instance.proxy.port, pathOf(op), headers, body, this.settings.attemptTimeoutMs, options.departure)
     instance.inFlight--
     const outcome: AttemptOutcome = result.ok
       ? {
@@ -223,8 +325,9 @@ export class Workload {
   }
 }
 
-function pathOf (mode: Mode): string {
-  return mode === 'atomic' ? '/payments/atomic' : '/payments/lease'
+function pathOf (op: Operation): string {
+  if (op.scenario !== null) return SCENARIO_ROUTES[op.scenario].path
+  return op.mode === 'atomic' ? '/payments/atomic' : '/payments/lease'
 }
 
 /** Retry-After in seconds (RFC 9110 §10.2.3, delay-seconds form), on the statuses that carry it here. */

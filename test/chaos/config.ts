@@ -1,12 +1,21 @@
 import type { WorkloadSettings } from './clients.js'
+import { BOUNDARIES, BOUNDARY_SCENARIOS, type Boundary } from './executions.js'
+import { PLANTS, type Plant } from './plants.js'
+import { SCENARIOS, type Scenario } from './scenario-routes.js'
 
 /**
  * The run's parameters: `tsx test/chaos/run.ts [--quick] [--duration=SECONDS] [--seed=N]
- * [--redis=standalone|cluster|both] [--instances=N] [--report=FILE] [--plant=provider-key-per-attempt]`.
+ * [--redis=standalone|cluster|both] [--instances=N] [--report=FILE] [--plant=NAME]
+ * [--scenario=NAME[,NAME...]]`.
  *
  * Full mode (the default) keeps faults coming for `duration` seconds (300), with at least 10,000
- * operations and every fault kind at least 10 times (a shorter --duration scales both down); quick
- * mode (CI) runs 30 s with every kind at least once.
+ * operations, every fault kind at least 10 times and every lease boundary crossed at least 50 times
+ * (a shorter --duration scales them down); quick mode (CI) runs 30 s with every kind and every
+ * boundary at least once.
+ *
+ * `--scenario=` is the targeted mode (the planted-bug tests): only the named lease-boundary
+ * scenarios run, one operation every 500 ms, with no other operations and no faults, and only
+ * their own boundaries must be crossed (at least once).
  */
 export interface ChaosConfig {
   readonly mode: 'full' | 'quick'
@@ -21,6 +30,10 @@ export interface ChaosConfig {
   /** Effective injections of each kind the run must reach, or it fails (a fault that never bit proves nothing). */
   readonly minEffectivePerKind: number
   readonly minOperations: number
+  /** Crossings of each lease boundary the run must reach, or it fails (exit 2). */
+  readonly minCrossings: Readonly<Record<Boundary, number>>
+  /** `--scenario=`: the targeted mode's scenarios; null in the full and quick modes (all of them, with faults). */
+  readonly targeted: readonly Scenario[] | null
   readonly workload: WorkloadSettings
   readonly leaseMs: number
   readonly waitMs: number
@@ -28,11 +41,8 @@ export interface ChaosConfig {
   /** How long the drain may take to bring every operation to an answer once the faults stopped. */
   readonly drainS: number
   readonly reportFile: string | null
-  /**
-   * A bug planted in the app, to see the harness catch it end to end: `provider-key-per-attempt`
-   * derives a fresh provider key on every attempt, so a re-run charges twice.
-   */
-  readonly plant: 'provider-key-per-attempt' | null
+  /** A bug planted in the app, to see the harness catch it end to end (plants.ts lists them). */
+  readonly plant: Plant | null
 }
 
 export function parseArgs (argv: readonly string[]): ChaosConfig {
@@ -42,19 +52,34 @@ export function parseArgs (argv: readonly string[]): ChaosConfig {
     if (match === null) throw new Error(`chaos: unknown argument ${arg}`)
     flags.set(match[1] as string, match[2] ?? 'true')
   }
-  const known = new Set(['quick', 'duration', 'seed', 'redis', 'instances', 'report', 'plant'])
+  const known = new Set(['quick', 'duration', 'seed', 'redis', 'instances', 'report', 'plant', 'scenario'])
   for (const name of flags.keys()) if (!known.has(name)) throw new Error(`chaos: unknown option --${name}`)
 
   const quick = flags.get('quick') === 'true'
   const durationS = integer(flags.get('duration'), quick ? 30 : 300, '--duration', 10)
   const seed = integer(flags.get('seed'), Date.now() % 2_147_483_647, '--seed', 0)
-  const redis = flags.get('redis') ?? 'both'
+  const targetedFlag = flags.get('scenario')
+  const targeted = targetedFlag === undefined ? null : targetedFlag.split(',') as Scenario[]
+  // Targeted runs are short and quiet: no rolling restart onto the cluster halfway.
+  const redis = flags.get('redis') ?? (targeted !== null ? 'standalone' : 'both')
   if (redis !== 'standalone' && redis !== 'cluster' && redis !== 'both') throw new Error(`chaos: --redis must be standalone, cluster or both; received ${redis}`)
   const instances = integer(flags.get('instances'), 3, '--instances', 2)
-  const plant = flags.get('plant') ?? null
-  if (plant !== null && plant !== 'provider-key-per-attempt') throw new Error(`chaos: --plant takes provider-key-per-attempt; received ${plant}`)
+  const plant = (flags.get('plant') ?? null) as Plant | null
+  if (plant !== null && !PLANTS.includes(plant)) throw new Error(`chaos: --plant takes one of ${PLANTS.join(', ')}; received ${plant}`)
+  for (const scenario of targeted ?? []) {
+    if (!SCENARIOS.includes(scenario)) throw new Error(`chaos: --scenario takes names from ${SCENARIOS.join(', ')}; received ${scenario}`)
+  }
   // Full mode: 12,000 operations over the run (at 300 s, 40 a second), at most 60 a second.
-  const ratePerSecond = quick ? 20 : Math.min(60, Math.max(40, Math.ceil(12_000 / durationS)))
+  const ratePerSecond = targeted !== null ? 0 : quick ? 20 : Math.min(60, Math.max(40, Math.ceil(12_000 / durationS)))
+  // At 300 s, one scenario operation every 360 ms: about 90 of each scenario (180 of steps-partition),
+  // for 50 crossings of each boundary with a margin.
+  const scenarioIntervalMs = targeted !== null ? 500 : quick ? 700 : 360
+  const scenarios = targeted ?? SCENARIOS
+  const minCrossings = Object.fromEntries(BOUNDARIES.map((boundary) => {
+    const reached = BOUNDARY_SCENARIOS[boundary].some((scenario) => scenarios.includes(scenario))
+    const min = !reached ? 0 : targeted !== null || quick ? 1 : Math.max(1, Math.round(50 * durationS / 300))
+    return [boundary, min]
+  })) as Record<Boundary, number>
   // A scheduled fault can miss (nothing in flight to kill, a probe cut by an overlapping restart):
   // more are scheduled than the minimum that must bite. At 300 s: 14 of each, 10 must bite.
   const faultsPerKind = quick ? 2 : Math.max(2, Math.round(durationS / 21))
@@ -65,10 +90,12 @@ export function parseArgs (argv: readonly string[]): ChaosConfig {
     durationS,
     redis,
     instances,
-    faultsPerKind,
-    minEffectivePerKind: quick ? 1 : Math.max(1, faultsPerKind - 4),
+    faultsPerKind: targeted !== null ? 0 : faultsPerKind,
+    minEffectivePerKind: targeted !== null ? 0 : quick ? 1 : Math.max(1, faultsPerKind - 4),
     // 10,000 in a full run of 300 s or more; 85% of what was scheduled in a shorter one.
-    minOperations: quick ? 100 : Math.min(10_000, Math.floor(0.85 * ratePerSecond * durationS)),
+    minOperations: targeted !== null ? 1 : quick ? 100 : Math.min(10_000, Math.floor(0.85 * ratePerSecond * durationS)),
+    minCrossings,
+    targeted,
     workload: {
       scopes: ['acct-alpha', 'acct-beta'],
       ratePerSecond,
@@ -79,12 +106,14 @@ export function parseArgs (argv: readonly string[]): ChaosConfig {
       reuseShare: 0.05,
       sharedKeyShare: 0.1,
       stormShare: 0.1,
-      replayCheckShare: 0.25
+      replayCheckShare: 0.25,
+      scenarios,
+      scenarioIntervalMs
     },
     leaseMs: 2_000,
     waitMs: 250,
     storeTimeoutMs: 2_000,
-    drainS: quick ? 20 : 60,
+    drainS: targeted !== null ? 15 : quick ? 20 : 60,
     reportFile: flags.get('report') ?? null,
     plant
   }

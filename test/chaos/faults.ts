@@ -110,7 +110,7 @@ export class FaultInjector {
   /** Injects one fault now and records it (a failed injection is recorded as not effective). */
   async inject (kind: FaultKind): Promise<void> {
     const at = this.now()
-    let outcome: { effective: boolean, detail: string }
+    let outcome: { effective: boolean, detail: string, from?: number, to?: number }
     try {
       outcome = await this.injectors[kind]()
     } catch (err) {
@@ -123,7 +123,7 @@ export class FaultInjector {
   async heal (): Promise<void> {
     const { dbProxy, providerProxy, instances, services } = this.targets
     const clean = { latencyMs: 0, resetProbability: 0, dropReplyProbability: 0, blackhole: false }
-    for (const proxy of [dbProxy, providerProxy, ...instances.map((instance) => instance.proxy)]) proxy.set(clean)
+    for (const proxy of [dbProxy, providerProxy, ...instances.flatMap((instance) => [instance.proxy, instance.dbProxy])]) proxy.set(clean)
     if (!await reachable(services.database)) await this.withRetries('start PostgreSQL', () => services.postgres.start())
     for (const node of [services.redis, ...services.cluster]) {
       if (!await reachable(node.endpoint)) await this.withRetries(`start Redis ${node.address}`, () => node.start())
@@ -170,7 +170,13 @@ export class FaultInjector {
     return redisTopology() === 'standalone' ? services.redis : this.random.pick(services.cluster)
   }
 
-  private readonly injectors: Record<FaultKind, () => Promise<{ effective: boolean, detail: string }>> = {
+  /**
+   * After a database fault ends, how long the apps' connections take to work again (reconnects,
+   * queued queries): part of the fault's window for the checker.
+   */
+  private static readonly DB_SETTLE_MS = 1_000
+
+  private readonly injectors: Record<FaultKind, () => Promise<{ effective: boolean, detail: string, from?: number, to?: number }>> = {
     'app-kill': async () => {
       const instances = this.targets.instances
       const deadline = Date.now() + 2_000
@@ -190,18 +196,20 @@ export class FaultInjector {
     },
 
     'pg-terminate': async () => {
+      const from = this.now()
       const terminated = await this.targets.services.postgres.terminate('chaos-app-')
-      return { effective: terminated > 0, detail: `${terminated} app backend(s) terminated` }
+      return { effective: terminated > 0, detail: `${terminated} app backend(s) terminated`, from, to: this.now() + FaultInjector.DB_SETTLE_MS }
     },
 
     'pg-restart': async () => {
       const pg = this.targets.services.postgres
       const mode = this.random.chance(0.5) ? 'immediate' : 'fast'
       const downMs = this.random.int(100, 2_000)
+      const from = this.now()
       await pg.stop(mode)
       await sleep(downMs)
       await this.withRetries('start PostgreSQL', () => pg.start())
-      return { effective: true, detail: `stopped (${mode}${mode === 'immediate' ? ': a crash' : ''}), started again after ${downMs} ms` }
+      return { effective: true, detail: `stopped (${mode}${mode === 'immediate' ? ': a crash' : ''}), started again after ${downMs} ms`, from, to: this.now() + FaultInjector.DB_SETTLE_MS }
     },
 
     'redis-flush': async () => {
@@ -228,36 +236,40 @@ export class FaultInjector {
       const durationMs = this.random.int(1_500, 4_000)
       // On a live connection: reconnecting through the latency would take many round trips.
       await this.warmProbe()
+      const from = this.now()
       proxy.set({ latencyMs })
       const started = Date.now()
       const rtt = await this.probe(durationMs)
       await sleep(Math.max(0, durationMs - (Date.now() - started)))
       proxy.set({ latencyMs: 0 })
-      return { effective: Number.isFinite(rtt) && rtt >= latencyMs, detail: `+${latencyMs} ms per chunk for ${durationMs} ms (probe round trip ${rtt} ms${Number.isFinite(rtt) ? '' : ': ' + this.lastProbeError})` }
+      return { effective: Number.isFinite(rtt) && rtt >= latencyMs, detail: `+${latencyMs} ms per chunk for ${durationMs} ms (probe round trip ${rtt} ms${Number.isFinite(rtt) ? '' : ': ' + this.lastProbeError})`, from, to: this.now() + FaultInjector.DB_SETTLE_MS }
     },
 
     'db-reset': async () => {
       const proxy = this.targets.dbProxy
       const before = proxy.stats.resets
       const durationMs = this.random.int(1_000, 2_500)
+      const from = this.now()
       proxy.resetConnections()
       proxy.set({ resetProbability: 0.03 })
       await sleep(durationMs)
       proxy.set({ resetProbability: 0 })
       const resets = proxy.stats.resets - before
-      return { effective: resets > 0, detail: `${resets} connection(s) reset (all open ones, then 3% of chunks for ${durationMs} ms)` }
+      return { effective: resets > 0, detail: `${resets} connection(s) reset (all open ones, then 3% of chunks for ${durationMs} ms)`, from, to: this.now() + FaultInjector.DB_SETTLE_MS }
     },
 
     'db-blackhole': async () => {
       const proxy = this.targets.dbProxy
       const durationMs = this.random.int(500, 3_500)
       await this.warmProbe()
+      const from = this.now()
       proxy.set({ blackhole: true })
       const probe = this.probe(durationMs + 5_000)
       await sleep(durationMs)
       proxy.set({ blackhole: false })
+      const to = this.now() + FaultInjector.DB_SETTLE_MS
       const rtt = await probe
-      return { effective: Number.isFinite(rtt) && rtt >= durationMs * 0.8, detail: `partition for ${durationMs} ms (probe round trip ${rtt} ms)` }
+      return { effective: Number.isFinite(rtt) && rtt >= durationMs * 0.8, detail: `partition for ${durationMs} ms (probe round trip ${rtt} ms)`, from, to }
     },
 
     'clock-skew': async () => {

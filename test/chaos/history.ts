@@ -1,3 +1,6 @@
+import type { EvidenceLine } from './evidence.js'
+import type { Scenario } from './scenario-routes.js'
+
 /**
  * What a chaos run observed, in the shape the checker reads. Everything is plain data (JSON), so a
  * history can be saved, replayed through the checker, or written by hand to plant a violation.
@@ -18,6 +21,8 @@ export interface Operation {
    * refused with 422 and never have an effect.
    */
   readonly reuseAmount: number | null
+  /** A lease-boundary situation (scenario-routes.ts), or null for the ordinary payments. */
+  readonly scenario: Scenario | null
 }
 
 /** How one HTTP attempt ended. */
@@ -62,6 +67,38 @@ export interface FaultEvent {
   readonly detail: string
   /** Evidence that the fault bit (backends terminated, replies dropped, requests in flight...). */
   readonly effective: boolean
+  /**
+   * When it acted on the system, from the first change to what it disturbs settling again (a
+   * database fault: until the apps' connections can work again); missing for a fault that failed.
+   */
+  readonly from?: number
+  readonly to?: number
+}
+
+/** One process of an app instance: the checker's proof that an owner was dead. */
+export interface Incarnation {
+  readonly instance: number
+  readonly pid: number
+  readonly startedAt: number
+  endedAt: number | null
+  /** killed: SIGKILL by the harness; shutdown: a rolling restart; crashed: died on its own. */
+  end: 'killed' | 'shutdown' | 'crashed' | null
+}
+
+/**
+ * What a scenario did to the system besides sending requests: an operator's force release of a
+ * key (the same statement as `store.forceRelease`), or one instance cut from the database.
+ */
+export interface Intervention {
+  readonly kind: 'force-release' | 'partition'
+  readonly scope: string
+  readonly key: string
+  readonly from: number
+  readonly to: number
+  /** The instance cut off (partition). */
+  readonly instance: number | null
+  /** Force release: the store deleted an in-progress record. */
+  readonly effective: boolean
 }
 
 /** A process of the harness (an app instance, the reconciler) that died without being killed. */
@@ -83,6 +120,10 @@ export interface History {
   readonly records: readonly StoredRecordRow[]
   readonly faults: readonly FaultEvent[]
   readonly crashes: readonly Crash[]
+  /** The instances' and the reconciler's evidence logs, merged in time order (evidence.ts). */
+  readonly evidence: readonly EvidenceLine[]
+  readonly incarnations: readonly Incarnation[]
+  readonly interventions: readonly Intervention[]
 }
 
 /** What every 2xx body of the payments API carries, so the checker can tie an answer to an effect. */

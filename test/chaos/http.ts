@@ -9,15 +9,23 @@ export type HttpResult =
   | { readonly ok: true, readonly status: number, readonly headers: Readonly<Record<string, string | string[] | undefined>>, readonly body: string }
   | { readonly ok: false, readonly error: string }
 
-export function post (port: number, path: string, headers: Record<string, string>, body: string, timeoutMs: number): Promise<HttpResult> {
-  return send('POST', port, path, headers, body, timeoutMs)
+/** A client that leaves on purpose (the lease-boundary scenarios). */
+export interface Departure {
+  /** Close the connection this long after sending, whatever has arrived: `client-abort`. */
+  readonly abortAfterMs?: number
+  /** Stop reading once the response head arrived, then close the connection after this long: `client-left`. */
+  readonly pauseThenLeaveMs?: number
+}
+
+export function post (port: number, path: string, headers: Record<string, string>, body: string, timeoutMs: number, departure: Departure = {}): Promise<HttpResult> {
+  return send('POST', port, path, headers, body, timeoutMs, departure)
 }
 
 export function get (port: number, path: string, timeoutMs: number): Promise<HttpResult> {
-  return send('GET', port, path, {}, null, timeoutMs)
+  return send('GET', port, path, {}, null, timeoutMs, {})
 }
 
-function send (method: string, port: number, path: string, headers: Record<string, string>, body: string | null, timeoutMs: number): Promise<HttpResult> {
+function send (method: string, port: number, path: string, headers: Record<string, string>, body: string | null, timeoutMs: number, departure: Departure): Promise<HttpResult> {
   return new Promise((resolve) => {
     let settled = false
     const finish = (result: HttpResult): void => {
@@ -34,6 +42,15 @@ function send (method: string, port: number, path: string, headers: Record<strin
       agent: false,
       headers: body === null ? headers : { ...headers, 'content-length': String(Buffer.byteLength(body)) }
     }, (res) => {
+      if (departure.pauseThenLeaveMs !== undefined) {
+        // Nothing is read: TCP's window closes and the server's writes back up.
+        res.pause()
+        setTimeout(() => {
+          finish({ ok: false, error: 'client-left' })
+          req.destroy()
+        }, departure.pauseThenLeaveMs)
+        return
+      }
       const chunks: Buffer[] = []
       res.on('data', (chunk: Buffer) => chunks.push(chunk))
       res.on('end', () => finish({ ok: true, status: res.statusCode ?? 0, headers: res.headers, body: Buffer.concat(chunks).toString('utf8') }))
@@ -45,6 +62,13 @@ function send (method: string, port: number, path: string, headers: Record<strin
       req.destroy()
     }, timeoutMs)
     req.on('error', (err) => finish({ ok: false, error: errorName(err) }))
+    if (departure.abortAfterMs !== undefined) {
+      setTimeout(() => {
+        if (settled) return
+        finish({ ok: false, error: 'client-abort' })
+        req.destroy()
+      }, departure.abortAfterMs)
+    }
     req.end(body ?? undefined)
   })
 }

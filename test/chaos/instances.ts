@@ -3,14 +3,19 @@ import { createServer, type AddressInfo } from 'node:net'
 import path from 'node:path'
 import { startFaultProxy, type FaultProxy } from '../helpers/fault-proxy.js'
 import { crashOf } from './crashes.js'
-import type { Crash } from './history.js'
+import type { Crash, Incarnation } from './history.js'
 import { killChild, shutdownChild, startChild } from './processes.js'
 import type { Random } from './random.js'
 
 /** What every app instance shares: where its database, Redis and provider are, and its timings. */
 export interface InstanceEnvironment {
-  /** The database as the apps see it: through the database fault proxy. */
+  /**
+   * The database as the apps see it: through the database fault proxy (shared, where the
+   * database faults are injected), reached through the instance's own proxy (where the harness
+   * cuts that one instance off).
+   */
   readonly databaseUrl: string
+  readonly databaseProxy: { readonly host: string, readonly port: number }
   readonly providerPort: number
   readonly leaseMs: number
   readonly waitMs: number
@@ -22,12 +27,15 @@ export interface InstanceEnvironment {
   readonly onCrash: (instance: AppInstance, crash: Omit<Crash, 'at'>) => void
   /** See ChaosConfig.plant. */
   readonly plant: string | null
+  /** The harness's clock (ms since the run started), for the incarnations' lifetimes. */
+  readonly now: () => number
 }
 
 /**
  * One app instance: a child process on a fixed loopback port (so it comes back on the same address
  * after a kill) behind its own fault proxy, which is what clients connect to (the load balancer's
- * view of it: dropped replies and resets happen there).
+ * view of it: dropped replies and resets happen there), and with a proxy of its own in front of the
+ * database proxy, which partitions this instance alone.
  */
 export class AppInstance {
   child: ChildProcess | null = null
@@ -37,6 +45,8 @@ export class AppInstance {
   /** `standalone:<url>` or `cluster:<nodes>` (see app.ts). */
   redis: string
   starts = 0
+  /** Every process this instance ran, with when it started and ended (the checker's "dead owner"). */
+  readonly incarnations: Incarnation[] = []
   /** Set while the harness itself stops the process, so its exit is not a crash. */
   private stopping = false
   private starting: Promise<void> | null = null
@@ -45,6 +55,8 @@ export class AppInstance {
     readonly index: number,
     readonly port: number,
     readonly proxy: FaultProxy,
+    /** Between this instance and the shared database proxy. */
+    readonly dbProxy: FaultProxy,
     private readonly environment: InstanceEnvironment,
     redis: string
   ) {
@@ -54,7 +66,8 @@ export class AppInstance {
   static async create (index: number, environment: InstanceEnvironment, redis: string, random: Random): Promise<AppInstance> {
     const port = await freePort()
     const proxy = await startFaultProxy({ host: '127.0.0.1', port }, {}, { random })
-    return new AppInstance(index, port, proxy, environment, redis)
+    const dbProxy = await startFaultProxy(environment.databaseProxy, {}, { random: random.fork('db') })
+    return new AppInstance(index, port, proxy, dbProxy, environment, redis)
   }
 
   get running (): boolean {
@@ -72,10 +85,13 @@ export class AppInstance {
     this.skewMs = skewMs
     this.stopping = false
     const env = this.environment
+    const url = new URL(env.databaseUrl)
+    url.port = String(this.dbProxy.port)
     const started = await startChild('test/chaos/app.ts', {
       CHAOS_INSTANCE: String(this.index),
       CHAOS_PORT: String(this.port),
-      CHAOS_DATABASE_URL: env.databaseUrl,
+      CHAOS_DATABASE_URL: url.href,
+      CHAOS_EVIDENCE: path.join(env.logDir, `evidence-${this.index}.jsonl`),
       CHAOS_REDIS: this.redis,
       CHAOS_PROVIDER_PORT: String(env.providerPort),
       CHAOS_LEASE_MS: String(env.leaseMs),
@@ -90,7 +106,11 @@ export class AppInstance {
     const child = started.child
     this.child = child
     this.starts++
+    const incarnation: Incarnation = { instance: this.index, pid: Number(started.ready.pid ?? child.pid), startedAt: env.now(), endedAt: null, end: null }
+    this.incarnations.push(incarnation)
     child.once('exit', (code, signal) => {
+      incarnation.endedAt = env.now()
+      incarnation.end = this.stopping ? (signal === 'SIGKILL' ? 'killed' : 'shutdown') : 'crashed'
       if (this.child !== child) return
       this.child = null
       if (!this.stopping) env.onCrash(this, crashOf(`app instance ${this.index}`, 0, code, signal, started.stderrTail()))
@@ -109,6 +129,13 @@ export class AppInstance {
     this.stopping = true
     if (this.child !== null) await shutdownChild(this.child)
     this.child = null
+  }
+
+  /** Cuts this instance alone from the database for `ms` (its queries are held, as in a partition). */
+  async partition (ms: number): Promise<void> {
+    this.dbProxy.set({ blackhole: true })
+    await new Promise((resolve) => setTimeout(resolve, ms))
+    this.dbProxy.set({ blackhole: false })
   }
 
   /** Moves the instance's wall clock (clock-skew.ts) without restarting it. */

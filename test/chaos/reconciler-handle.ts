@@ -16,15 +16,17 @@ export class ReconcilerHandle {
   private child: ChildProcess | null = null
   private olderThanMs: number
   private stopping = false
-  private readonly finished: ReconcilerStats = { passes: 0, examined: 0, completed: 0, resumed: 0, errors: 0 }
-  private current: ReconcilerStats = { passes: 0, examined: 0, completed: 0, resumed: 0, errors: 0 }
+  private readonly finished: ReconcilerStats = { passes: 0, examined: 0, completed: 0, resumed: 0, left: 0, errors: 0 }
+  private current: ReconcilerStats = { passes: 0, examined: 0, completed: 0, resumed: 0, left: 0, errors: 0 }
 
   constructor (
     private readonly databaseUrl: string,
     private readonly intervalMs: number,
     olderThanMs: number,
     private readonly logDir: string,
-    private readonly onCrash: (crash: Omit<Crash, 'at'>) => void
+    private readonly onCrash: (crash: Omit<Crash, 'at'>) => void,
+    /** Where the worker logs its decisions (evidence.ts). */
+    private readonly evidenceFile: string
   ) {
     this.olderThanMs = olderThanMs
   }
@@ -39,7 +41,8 @@ export class ReconcilerHandle {
     const started = await startChild('test/chaos/reconciler.ts', {
       CHAOS_DATABASE_URL: this.databaseUrl,
       CHAOS_INTERVAL_MS: String(this.intervalMs),
-      CHAOS_OLDER_THAN_MS: String(this.olderThanMs)
+      CHAOS_OLDER_THAN_MS: String(this.olderThanMs),
+      CHAOS_EVIDENCE: this.evidenceFile
     }, path.join(this.logDir, 'reconciler.log'))
     const child = started.child
     this.child = child
@@ -52,7 +55,7 @@ export class ReconcilerHandle {
       if (this.child !== child) return
       this.child = null
       for (const name of Object.keys(this.finished) as Array<keyof ReconcilerStats>) this.finished[name] += this.current[name]
-      this.current = { passes: 0, examined: 0, completed: 0, resumed: 0, errors: 0 }
+      this.current = { passes: 0, examined: 0, completed: 0, resumed: 0, left: 0, errors: 0 }
       if (this.stopping) return
       this.onCrash(crashOf('reconciler worker', 0, code, signal, started.stderrTail()))
       setTimeout(() => { if (!this.stopping) this.start().catch(() => {}) }, 300)

@@ -15,6 +15,7 @@
  */
 import postgres from 'postgres'
 import { postgresStore } from '../../drivers/postgres/index.js'
+import { evidenceLog } from './evidence.js'
 import { resolveStuck, type Resolution, type StuckRecordView } from './reconcile-policy.js'
 
 export interface ReconcilerStats {
@@ -22,6 +23,8 @@ export interface ReconcilerStats {
   examined: number
   completed: number
   resumed: number
+  /** Left for a later pass (a held record of the `held` scenario, younger than HELD_MIN_MS). */
+  left: number
   errors: number
 }
 
@@ -29,6 +32,7 @@ interface PassReport {
   readonly examined: number
   readonly completed: number
   readonly resumed: number
+  readonly left?: number
   readonly errors: readonly unknown[]
 }
 
@@ -38,22 +42,32 @@ interface ReconcilingStore {
 }
 
 const url = process.env.CHAOS_DATABASE_URL
-if (url === undefined || process.send === undefined) throw new Error('reconciler: CHAOS_DATABASE_URL and an IPC channel are required')
+const evidenceFile = process.env.CHAOS_EVIDENCE
+if (url === undefined || evidenceFile === undefined || process.send === undefined) throw new Error('reconciler: CHAOS_DATABASE_URL, CHAOS_EVIDENCE and an IPC channel are required')
+const log = evidenceLog(evidenceFile, -1)
 const intervalMs = Number(process.env.CHAOS_INTERVAL_MS ?? '2000')
 let olderThanMs = Number(process.env.CHAOS_OLDER_THAN_MS ?? '4000')
 
 // fetch_types: false for the reason given in app.ts (porsager/postgres#1192).
 const sql = postgres(url, { max: 2, connect_timeout: 3, fetch_types: false, onnotice: () => {}, connection: { application_name: 'chaos-app-reconciler', synchronous_commit: 'on' } })
 const store = postgresStore({ sql, purgeInterval: 0 }) as unknown as Partial<ReconcilingStore>
-const stats: ReconcilerStats = { passes: 0, examined: 0, completed: 0, resumed: 0, errors: 0 }
+const stats: ReconcilerStats = { passes: 0, examined: 0, completed: 0, resumed: 0, left: 0, errors: 0 }
+
+/** The policy's decision, logged before the store applies it: the checker's end of a hold. */
+function decide (record: StuckRecordView): Resolution {
+  const resolution = resolveStuck(record)
+  log({ ev: 'resolve', scope: record.scope, key: record.key, action: resolution.action })
+  return resolution
+}
 
 async function pass (reconcile: NonNullable<ReconcilingStore['reconcile']>): Promise<void> {
   try {
-    const report = await reconcile.call(store, { resolve: resolveStuck, olderThan: olderThanMs, lease: 10_000, limit: 200 })
+    const report = await reconcile.call(store, { resolve: decide, olderThan: olderThanMs, lease: 10_000, limit: 200 })
     stats.passes++
     stats.examined += report.examined
     stats.completed += report.completed
     stats.resumed += report.resumed
+    stats.left += report.left ?? 0
     stats.errors += report.errors.length
   } catch {
     stats.errors++

@@ -1,5 +1,6 @@
 import type { CheckResult, Violation } from './checker.js'
 import type { ChaosConfig } from './config.js'
+import { BOUNDARIES, type Boundary } from './executions.js'
 import { FAULT_KINDS, type FaultKind } from './faults.js'
 import type { Crash, FaultEvent } from './history.js'
 import type { ReconcilerStats } from './reconciler.js'
@@ -27,6 +28,16 @@ export interface ChaosReport {
   readonly crashes: readonly Crash[]
   /** Kinds below the run's minimum of effective injections; the run fails if any. */
   readonly faultsMissing: readonly FaultKind[]
+  /** Crossings of each lease boundary the run had to reach, and the boundaries below that; the run fails if any. */
+  readonly minCrossings: Readonly<Record<Boundary, number>>
+  readonly boundariesMissing: readonly Boundary[]
+  /** Operations of each lease-boundary scenario. */
+  readonly scenarioOperations: Readonly<Record<string, number>>
+  /** `--scenario=`: the targeted run's scenarios (no faults, no other operations). */
+  readonly targeted: ChaosConfig['targeted']
+  readonly plant: ChaosConfig['plant']
+  /** Force releases and partitions the scenarios made. */
+  readonly interventions: number
   readonly violations: readonly Violation[]
   /** Where the instances', provider's and services' logs were left (only kept when the run failed). */
   readonly logDir: string | null
@@ -45,22 +56,45 @@ export function faultCounts (events: readonly FaultEvent[]): ChaosReport['faults
 
 const n = (value: number): string => value.toLocaleString('en-US')
 
+/** How the summary names each boundary. */
+const BOUNDARY_LABELS: Readonly<Record<Boundary, string>> = {
+  'retry-while-abandoned-handler-ran': 'retries that arrived while a disconnected client\'s handler still ran',
+  'stream-outlived-lease': 'streams that outlived their lease',
+  'handler-outlived-ttl': 'handlers that outlived a short ttl',
+  'held-past-ttl': 'held records retried past their ttl',
+  'partitioned-owner-taken-over': 'takeovers of a partitioned owner still running',
+  'step-after-takeover': 'steps attempted after a takeover or force release'
+}
+
 export function formatSummary (report: ChaosReport): string {
   const s = report.stats
   const outcomes = Object.entries(s.outcomes).sort((a, b) => b[1] - a[1]).map(([name, count]) => `${name} ${n(count)}`).join(', ')
   const redis = report.redis === 'both' ? 'standalone Redis, then (rolling restart) a 3-master Redis Cluster' : report.redis === 'cluster' ? '3-master Redis Cluster' : 'standalone Redis'
   const faults = FAULT_KINDS.map((kind) => `${kind} ${report.faults[kind].effective}/${report.faults[kind].injected}`).join(', ')
   const injected = FAULT_KINDS.reduce((sum, kind) => sum + report.faults[kind].injected, 0)
+  const e = s.executions
+  const r = e.reexecutions
+  const scenarios = Object.entries(report.scenarioOperations).map(([name, count]) => `${name} ${n(count)}`).join(', ')
+  const minimum = Math.max(...BOUNDARIES.map((boundary) => report.minCrossings[boundary]))
+  const crossed = BOUNDARIES.filter((boundary) => report.minCrossings[boundary] > 0 || e.boundaries[boundary] > 0)
+    .map((boundary) => `${BOUNDARY_LABELS[boundary]} ${n(e.boundaries[boundary])}`).join(', ')
+  const what = report.targeted === null
+    ? `${report.durationS} s of faults`
+    : `targeted (${report.targeted.join(', ')}): ${report.durationS} s, no faults`
   const lines = [
-    `chaos ${report.mode} run, seed ${report.seed}: ${report.durationS} s of faults, ${report.instances} instances, PostgreSQL store + ${redis}; ${report.elapsedS} s in all`,
+    `chaos ${report.targeted === null ? report.mode : 'targeted'} run, seed ${report.seed}${report.plant === null ? '' : `, PLANTED BUG ${report.plant}`}: ${what}, ${report.instances} instances, PostgreSQL store + ${redis}; ${report.elapsedS} s in all`,
     `operations: ${n(s.operations)} (${n(s.completed)} answered 2xx${report.throttled > 0 ? `, ${n(report.throttled)} not started: concurrency cap` : ''}); attempts: ${n(s.attempts)}; effects: ${n(s.effects)}`,
     `attempt outcomes: ${outcomes}`,
     `replays received: ${n(s.replaysReceived)}; key reuses refused with 422: ${n(s.reusesRefused)}; provider calls: ${n(report.providerCalls)} (${n(report.providerReplays)} answered from the provider's own key)`,
     `lease-mode handler re-runs absorbed by the provider key: ${n(s.leaseReruns)}; records left in progress after their 2xx, completed by the drain's retry: ${n(report.settledByDrain)}`,
     report.reconciler === null
       ? 'reconciler: none in this version of the plugin'
-      : `reconciler (store.reconcile, a worker process, every 2 s): ${n(report.reconciler.passes)} passes took ${n(report.reconciler.examined)} stuck records in hand (a record no client retried is taken again at a later pass): ${n(report.reconciler.completed)} completed from their recorded charge, ${n(report.reconciler.resumed)} resumed for the next retry; ${n(report.reconciler.errors)} failed passes or records`,
-    `faults injected (effective/injected): ${n(injected)} in all: ${faults}`
+      : `reconciler (store.reconcile, a worker process, every 2 s): ${n(report.reconciler.passes)} passes took ${n(report.reconciler.examined)} stuck records in hand (a record no client retried is taken again at a later pass): ${n(report.reconciler.completed)} completed from their recorded charge, ${n(report.reconciler.resumed)} resumed for the next retry, ${n(report.reconciler.left)} left for a later pass (held records of the held scenario, younger than 2.5 s); ${n(report.reconciler.errors)} failed passes or records`,
+    `faults injected (effective/injected): ${n(injected)} in all: ${faults}`,
+    `lease-boundary scenarios (lease 300 ms, ttl 1 s where short): ${scenarios === '' ? 'none' : scenarios}; ${n(report.interventions)} force releases and partitions`,
+    `executions (from the instances' evidence logs): ${n(e.executions)}; takeovers ${n(e.takeovers)}; re-executions allowed: ${n(r['after-release'])} after a release, ${n(r['after-retention'])} after the retention, ${n(r['resumed-by-reconciler'])} resumed by the reconciler, ${n(r['after-dead-owner'])} after a dead owner, ${n(r['after-hold'])} after a hold (resolved or not: see execution-while-held), ${n(r['after-lapsed-owner'])} after an owner that finished without settling, ${n(r['force-released'])} after a force release, ${n(r['cut-from-db'])} while the owner was cut from the database, ${n(r['store-too-slow'])} while the owner's renewals took longer than its lease, ${n(r['owner-stalled'])} while the owner's process was frozen`,
+    `lease boundaries crossed${minimum > 0 ? ` (at least ${n(minimum)} each required)` : ''}: ${crossed === '' ? 'none' : crossed}`,
+    `also: ${n(e.clientDisconnects)} client disconnects seen by a running owner, ${n(e.handlersOutlivingLease)} handlers slower than their lease, ${n(e.holds)} keys held for the reconciler, ${n(e.forceReleases)} force releases, ${n(e.partitions)} partitions of one instance, ${n(e.stepsRefused)} steps refused with LeaseLostError`
   ]
   if (report.crashes.length > 0) {
     const causes = new Map<string, number>()
@@ -71,6 +105,11 @@ export function formatSummary (report: ChaosReport): string {
     if (!event.effective) lines.push(`  no evidence for ${event.kind} at ${(event.at / 1000).toFixed(1)} s: ${event.detail}`)
   }
   if (report.faultsMissing.length > 0) lines.push(`FAULT COVERAGE NOT MET: ${report.faultsMissing.join(', ')}`)
-  lines.push(`violations: ${report.violations.length}`)
+  if (report.boundariesMissing.length > 0) {
+    lines.push(`BOUNDARIES NOT CROSSED ENOUGH: ${report.boundariesMissing.map((boundary) => `${boundary} ${e.boundaries[boundary]} < ${report.minCrossings[boundary]}`).join(', ')}`)
+  }
+  const kinds = new Map<string, number>()
+  for (const violation of report.violations) kinds.set(violation.kind, (kinds.get(violation.kind) ?? 0) + 1)
+  lines.push(`violations: ${report.violations.length}${kinds.size === 0 ? '' : ` (${[...kinds].map(([kind, count]) => `${kind} ${n(count)}`).join(', ')})`}`)
   return lines.join('\n')
 }

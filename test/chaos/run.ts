@@ -1,18 +1,23 @@
 /**
- * The chaos harness (issue 6): `tsx test/chaos/run.ts [--quick] [--duration=SECONDS] [--seed=N]
- * [--redis=standalone|cluster|both] [--instances=N] [--report=FILE] [--plant=provider-key-per-attempt]`.
+ * The chaos harness (issues 6 and 12): `tsx test/chaos/run.ts [--quick] [--duration=SECONDS] [--seed=N]
+ * [--redis=standalone|cluster|both] [--instances=N] [--report=FILE] [--plant=NAME] [--scenario=NAME,...]`.
  *
  * Starts a private PostgreSQL, Redis and 3-master Redis Cluster, the fake provider, the reconciler
  * worker and N instances of the payments app behind fault proxies (system.ts); drives operations at
- * them while injecting faults (clients.ts, faults.ts); stops the faults and drains (retries every
- * unanswered operation); then checks the history (checker.ts) and prints a summary. Exit status: 0
- * when there is no violation and every fault kind bit often enough, 1 on a violation (the key's
- * history is printed), 2 when the harness itself failed, a fault kind was not injected enough or too
- * few operations ran.
+ * them, and the lease-boundary scenarios (scenarios.ts), while injecting faults (clients.ts,
+ * faults.ts); stops the faults and drains (retries every unanswered operation); then reads the
+ * evidence logs and checks the history (checker.ts, executions.ts) and prints a summary. Exit
+ * status: 0 when there is no violation, every fault kind bit often enough and every lease boundary
+ * was crossed often enough, 1 on a violation (the key's history is printed), 2 when the harness
+ * itself failed, a fault kind was not injected enough, a boundary not crossed enough or too few
+ * operations ran.
  */
 import { writeFileSync } from 'node:fs'
+import { postgresStore } from '../../drivers/postgres/index.js'
 import { check, keyHistory } from './checker.js'
 import { Workload } from './clients.js'
+import { readEvidence } from './evidence.js'
+import { BOUNDARIES } from './executions.js'
 import { ledgerEffects, providerLog, storedRecords } from './collect.js'
 import { parseArgs, type ChaosConfig } from './config.js'
 import { FAULT_KINDS, FaultInjector, faultSchedule } from './faults.js'
@@ -39,7 +44,8 @@ async function main (config: ChaosConfig): Promise<number> {
   const now = (): number => Date.now() - t0
   const random = seededRandom(config.seed)
   if (config.plant !== null) log(`PLANTED BUG: ${config.plant}; this run must find violations`)
-  log(`${config.mode} run, seed ${config.seed} (reproduce with --seed=${config.seed}${config.mode === 'quick' ? ' --quick' : ''} --duration=${config.durationS})`)
+  const targeted = config.targeted === null ? '' : ` --scenario=${config.targeted.join(',')}`
+  log(`${config.targeted === null ? config.mode : 'targeted'} run, seed ${config.seed} (reproduce with --seed=${config.seed}${config.mode === 'quick' ? ' --quick' : ''} --duration=${config.durationS}${targeted})`)
 
   services = await startPrivateServices()
   log(`private services: PostgreSQL ${services.database.host}:${services.database.port} (${services.postgres.dataDir}), Redis ${services.redis.address}, cluster ${services.cluster.map((node) => node.address).join(' ')}`)
@@ -58,7 +64,15 @@ async function main (config: ChaosConfig): Promise<number> {
     redisTopology: () => system.topology,
     restart: system.restart
   }, random.fork('injections'), now)
-  const workload = new Workload(system.instances, config.workload, random.fork('operations'), random.fork('clients'), now)
+  // The operator's tool, on the harness's own connection (never faulted): the same statement as in production.
+  const operator = postgresStore({ sql: services.postgres.sql, purgeInterval: 0 })
+  const workload = new Workload(system.instances, config.workload, random.fork('operations'), random.fork('clients'), now, {
+    forceRelease: (scope, key) => operator.forceRelease({ scope, key }),
+    recordedSteps: async (scope, key) => {
+      const record = await operator.inspect({ scope, key })
+      return record === null || record.state !== 'in_progress' ? null : Object.keys(record.steps)
+    }
+  })
   await load(config, system, faults, workload, now)
 
   log(`healing, then draining ${workload.unanswered} unanswered operation(s)`)
@@ -81,13 +95,18 @@ async function main (config: ChaosConfig): Promise<number> {
     effects: [...ledger, ...charges.effects],
     records,
     faults: faults.events,
-    crashes: system.crashes
+    crashes: system.crashes,
+    evidence: await readEvidence(system.evidenceFiles(), t0),
+    incarnations: system.instances.flatMap((instance) => instance.incarnations),
+    interventions: workload.interventions
   }
   const result = check(history)
   const counts = faultCounts(faults.events)
   const faultsMissing = FAULT_KINDS.filter((kind) => counts[kind].effective < config.minEffectivePerKind)
+  const crossings = result.stats.executions.boundaries
+  const boundariesMissing = BOUNDARIES.filter((boundary) => crossings[boundary] < config.minCrossings[boundary])
   const tooFew = result.stats.operations < config.minOperations
-  const failed = result.violations.length > 0 || faultsMissing.length > 0 || tooFew
+  const failed = result.violations.length > 0 || faultsMissing.length > 0 || boundariesMissing.length > 0 || tooFew
   const report: ChaosReport = {
     mode: config.mode,
     seed: config.seed,
@@ -105,6 +124,12 @@ async function main (config: ChaosConfig): Promise<number> {
     faultEvents: faults.events,
     crashes: system.crashes,
     faultsMissing,
+    minCrossings: config.minCrossings,
+    boundariesMissing,
+    scenarioOperations: scenarioCounts(workload),
+    targeted: config.targeted,
+    plant: config.plant,
+    interventions: workload.interventions.length,
     violations: result.violations,
     logDir: failed ? system.workDir : null
   }
@@ -152,6 +177,12 @@ async function settleInProgress (system: ChaosSystem, workload: Workload, config
   log(`${stuck.length} record(s) still in progress after the drain; retrying their operations`)
   await workload.settle(ops, now() + config.drainS * 1000)
   return ops.length
+}
+
+function scenarioCounts (workload: Workload): ChaosReport['scenarioOperations'] {
+  const counts: Record<string, number> = {}
+  for (const op of workload.operations) if (op.scenario !== null) counts[op.scenario] = (counts[op.scenario] ?? 0) + 1
+  return counts
 }
 
 function printViolations (history: History, violations: ChaosReport['violations']): void {

@@ -16,10 +16,13 @@ import type { Services } from './services.js'
 /**
  * The system under test, wired on loopback:
  *
- *   clients → [fault proxy per instance] → app instances ×N → [database fault proxy] → PostgreSQL
+ *   clients → [fault proxy per instance] → app instances ×N → [partition proxy per instance] → [database fault proxy] → PostgreSQL
  *                                               │  └──────────→ Redis (standalone, later the cluster)
  *                                               └→ [provider fault proxy] → fake provider
  *   reconciler worker → [database fault proxy] → PostgreSQL
+ *
+ * Database faults act on the shared database proxy (every instance and the reconciler see them);
+ * a scenario cuts one instance off at its own partition proxy.
  *
  * Every process is supervised: one that dies without being killed is reported as a crash and
  * restarted (as systemd or Kubernetes would).
@@ -29,6 +32,8 @@ export interface ChaosSystem {
   /** Logs of the instances, the provider and the reconciler (kept when the run fails). */
   readonly workDir: string
   readonly providerLogFile: string
+  /** The instances' and the reconciler's evidence logs (evidence.ts). */
+  readonly evidenceFiles: () => string[]
   readonly dbProxy: FaultProxy
   readonly providerProxy: FaultProxy
   readonly instances: readonly AppInstance[]
@@ -72,7 +77,8 @@ export async function startSystem (config: ChaosConfig, random: Random, now: () 
     log(`${crash.process} died on its own (${crash.exit}): ${crash.knownCause ?? 'cause unknown'}`)
   }
   // A record counts as stuck two leases after its lease ended: by then a live client has retried.
-  const reconciler = new ReconcilerHandle(proxiedUrl.href, 2_000, 2 * config.leaseMs, workDir, recordCrash)
+  const reconcilerEvidence = path.join(workDir, 'evidence-reconciler.jsonl')
+  const reconciler = new ReconcilerHandle(proxiedUrl.href, 2_000, 2 * config.leaseMs, workDir, recordCrash, reconcilerEvidence)
   await reconciler.start()
 
   let topology: 'standalone' | 'cluster' = config.redis === 'cluster' ? 'cluster' : 'standalone'
@@ -94,6 +100,8 @@ export async function startSystem (config: ChaosConfig, random: Random, now: () 
   }
   const environment = {
     databaseUrl: proxiedUrl.href,
+    databaseProxy: { host: '127.0.0.1', port: dbProxy.port },
+    now,
     providerPort: providerProxy.port,
     leaseMs: config.leaseMs,
     waitMs: config.waitMs,
@@ -115,6 +123,7 @@ export async function startSystem (config: ChaosConfig, random: Random, now: () 
     services,
     workDir,
     providerLogFile,
+    evidenceFiles: () => [reconcilerEvidence, ...instances.map((instance) => path.join(workDir, `evidence-${instance.index}.jsonl`))],
     dbProxy,
     providerProxy,
     instances,
@@ -139,7 +148,7 @@ export async function startSystem (config: ChaosConfig, random: Random, now: () 
       await reconciler.stop()
       await Promise.all(instances.map((instance) => instance.kill()))
       await killChild(provider.child)
-      await Promise.all([dbProxy, providerProxy, ...instances.map((instance) => instance.proxy)].map((proxy) => proxy.close()))
+      await Promise.all([dbProxy, providerProxy, ...instances.flatMap((instance) => [instance.proxy, instance.dbProxy])].map((proxy) => proxy.close()))
       await probe.end({ timeout: 1 })
       await services.postgres.close()
       if (removeWorkDir) rmSync(workDir, { recursive: true, force: true })

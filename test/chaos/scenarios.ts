@@ -1,0 +1,115 @@
+import type { AttemptOutcome, Operation } from './history.js'
+import type { Departure } from './http.js'
+import type { AppInstance } from './instances.js'
+import type { Random } from './random.js'
+import { SHORT_TTL_MS, type Scenario, type ScenarioParameters } from './scenario-routes.js'
+
+/**
+ * The clients of the lease-boundary scenarios (scenario-routes.ts lists them): each operation
+ * drives one situation to its boundary (a duplicate that arrives once the lease or the ttl is over,
+ * a client that leaves and retries at once, a force release or a partition between two steps),
+ * then retries as any client would until it has its answer.
+ */
+
+/** What a scenario needs from the workload. */
+export interface ScenarioClient {
+  readonly instances: readonly AppInstance[]
+  readonly jitter: Random
+  /** One attempt; a 2xx marks the operation answered. */
+  attempt (op: Operation, options: { instance?: AppInstance, departure?: Departure }): Promise<AttemptOutcome>
+  /**
+   * Attempts until the operation is answered, at most `maxAttempts` (Infinity: until `untilMs`),
+   * avoiding `avoid` when another instance runs. Impatient clients retry every 150–300 ms whatever
+   * Retry-After says; the others back off as the workload's clients do.
+   */
+  untilAnswered (op: Operation, options: { avoid?: AppInstance, impatient?: boolean, maxAttempts?: number }): Promise<void>
+  /** Until the key's in-progress record holds step `name` (the operator's view), at most `timeoutMs`. */
+  untilStepRecorded (op: Operation, name: string, timeoutMs: number): Promise<boolean>
+  /** The operator's force release of the operation's key (store.forceRelease), recorded as an intervention. */
+  forceRelease (op: Operation): Promise<void>
+  /** Cuts `instance` from the database for `ms`, recorded as an intervention. */
+  partition (instance: AppInstance, op: Operation, ms: number): Promise<void>
+}
+
+const sleep = (ms: number): Promise<void> => new Promise((resolve) => setTimeout(resolve, ms))
+
+/** The handler's timings for one operation of `scenario`, drawn from the seeded sequence. */
+export function scenarioParameters (scenario: Scenario, draw: Random): ScenarioParameters {
+  switch (scenario) {
+    case 'slow': return { delayMs: draw.int(500, 1_500) }
+    case 'slow-ttl': return { delayMs: draw.int(1_500, 2_000) }
+    case 'abandon': return { delayMs: draw.int(1_000, 1_500) }
+    case 'stream': return { chunks: 10, chunkBytes: 1_024, intervalMs: 100 }
+    // 512 KiB in 8 KiB parts, 500 ms when read at once: a reader that stops holds it up.
+    case 'stream-paused': return { chunks: 64, chunkBytes: 8_192, intervalMs: 8 }
+    case 'steps-force':
+    case 'steps-partition': return { pauseMs: 1_200 }
+    case 'held': return {}
+  }
+}
+
+/** Runs one operation of `scenario` to its answer (or until the client gives up; the drain retries it). */
+export async function runScenario (scenario: Scenario, op: Operation, client: ScenarioClient): Promise<void> {
+  const running = client.instances.filter((instance) => instance.running)
+  const first = client.jitter.pick(running.length > 0 ? running : client.instances)
+  const jitter = (min: number, max: number): number => min + Math.floor(client.jitter() * (max - min + 1))
+  switch (scenario) {
+    case 'slow':
+    case 'slow-ttl':
+    case 'stream': {
+      // A duplicate past the lease (slow, stream: mid-handler, mid-stream) or past the ttl (slow-ttl).
+      const late = scenario === 'slow-ttl' ? jitter(SHORT_TTL_MS + 150, SHORT_TTL_MS + 400) : jitter(450, 700)
+      await Promise.all([
+        client.attempt(op, { instance: first }),
+        sleep(late).then(() => client.untilAnswered(op, { avoid: first }))
+      ])
+      break
+    }
+    case 'abandon':
+      // Leaves while the handler runs, then retries at once and again and again.
+      await client.attempt(op, { instance: first, departure: { abortAfterMs: jitter(100, 250) } })
+      await client.untilAnswered(op, { avoid: first, impatient: true, maxAttempts: 15 })
+      break
+    case 'stream-paused':
+      // Stops reading the body, and a duplicate arrives meanwhile; then leaves and retries at once.
+      await Promise.all([
+        client.attempt(op, { instance: first, departure: { pauseThenLeaveMs: jitter(700, 1_200) } })
+          .then(() => client.untilAnswered(op, { avoid: first, impatient: true, maxAttempts: 10 })),
+        sleep(jitter(400, 600)).then(() => client.untilAnswered(op, { avoid: first, maxAttempts: 1 }))
+      ])
+      break
+    case 'steps-force':
+      // Between the two steps (once the first is recorded), the operator force-releases the key.
+      await Promise.all([
+        client.attempt(op, { instance: first }),
+        (async () => {
+          // A first attempt that a fault stopped before its first step gets nothing done to it.
+          if (await client.untilStepRecorded(op, 'reserve', 2_500)) {
+            await sleep(jitter(50, 200))
+            await client.forceRelease(op)
+          }
+          await client.untilAnswered(op, { avoid: first })
+        })()
+      ])
+      break
+    case 'steps-partition':
+      // Between the two steps, the owner's instance is cut from the database beyond its lease, and
+      // a retry on another instance takes the key over; the old owner's second step comes after.
+      await Promise.all([
+        client.attempt(op, { instance: first }),
+        (async () => {
+          if (!await client.untilStepRecorded(op, 'reserve', 2_500)) return
+          await Promise.all([
+            client.partition(first, op, 650),
+            sleep(jitter(420, 480)).then(() => client.untilAnswered(op, { avoid: first }))
+          ])
+        })()
+      ])
+      break
+    case 'held':
+      // The first attempt fails (500) and holds the key; retries get 409 until the reconciler completes it.
+      await client.attempt(op, { instance: first })
+      break
+  }
+  await client.untilAnswered(op, {})
+}
