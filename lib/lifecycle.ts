@@ -1,7 +1,8 @@
 import type { RequestState } from './context.js'
 import type { Engine } from './engine.js'
-import { observe } from './observe.js'
 import { StoreTimeoutError } from './errors.js'
+import { observe } from './observe.js'
+import { schedules, type Scheduled } from './schedule.js'
 import type { ClaimAcquired, Lease } from './store.js'
 import { withTimeout } from './timeout.js'
 import { localId } from './waiters.js'
@@ -62,12 +63,23 @@ export type Response =
    */
   | 'duplicate'
 
-export class Lifecycle {
+/** Owners due for a renewal, one schedule per renewal interval (lib/schedule.ts). */
+const renewals = schedules<Lifecycle>((lifecycle) => {
+  lifecycle.renewOnSchedule().catch(/* c8 ignore next: renewOnSchedule catches the store's failures */ () => {})
+}, false)
+
+export class Lifecycle implements Scheduled {
+  // The renewal schedule's links (lib/schedule.ts): the owner waits in it between renewals.
+  dueAt = 0
+  previous: Scheduled | null = null
+  next: Scheduled | null = null
+  scheduled = false
+
   #phase: Phase = 'parsed'
   #lease: Lease | null = null
   #transactional = false
   #engine: Engine | null = null
-  #timer: NodeJS.Timeout | null = null
+  #renewing = false
   #lost = false
   #ownedAt = 0
   /** onSend of the owner's answer has started and not yet handed the payload back to Fastify. */
@@ -202,14 +214,13 @@ export class Lifecycle {
         `idempotency: the owner held its key for maxOwnership (${settings.maxOwnership} ms) and still runs; its lease is no longer renewed, so a retry may take the key over once it lapses`)
       return
     }
-    const timer = setTimeout(renewTick, Math.max(1, Math.floor(settings.lease / 3)), this)
-    timer.unref()
-    this.#timer = timer
+    renewals(Math.max(1, Math.floor(settings.lease / 3))).add(this)
   }
 
-  /** The timer's renewal: a store failure keeps the timer going (a blip must not hand a running owner's key to a retry). */
-  async renewByTimer (): Promise<void> {
-    this.#timer = null
+  /** The schedule's renewal: a store failure keeps it going (a blip must not hand a running owner's key to a retry). */
+  async renewOnSchedule (): Promise<void> {
+    if (!this.#holding() || this.#renewing) return
+    this.#renewing = true
     const engine = this.#engine as Engine
     const lease = this.#lease as Lease
     const settings = this.state.settings
@@ -220,12 +231,15 @@ export class Lifecycle {
         return
       }
     } catch (err) {
-      if (this.#renewing()) observe(engine.metrics, this.state, 'store_error', 'warn', 'idempotency: lease renewal failed; retrying at the next interval', err)
+      if (this.#holding()) observe(engine.metrics, this.state, 'store_error', 'warn', 'idempotency: lease renewal failed; retrying at the next interval', err)
+    } finally {
+      this.#renewing = false
     }
-    if (this.#renewing() && this.#timer === null) this.#schedule()
+    if (this.#holding()) this.#schedule()
   }
 
-  #renewing (): boolean {
+  /** Still the key's owner, with its outcome not yet settled: the lease must be kept. */
+  #holding (): boolean {
     return (this.#phase === 'owner' || this.#phase === 'settling') && !this.#lost
   }
 
@@ -244,13 +258,6 @@ export class Lifecycle {
   }
 
   #stopRenewal (): void {
-    if (this.#timer !== null) {
-      clearTimeout(this.#timer)
-      this.#timer = null
-    }
+    if (this.scheduled) renewals(Math.max(1, Math.floor(this.state.settings.lease / 3))).remove(this)
   }
-}
-
-function renewTick (lifecycle: Lifecycle): void {
-  lifecycle.renewByTimer().catch(/* c8 ignore next: renewByTimer catches the store's failures */ () => {})
 }

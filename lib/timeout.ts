@@ -1,4 +1,42 @@
 import { StoreTimeoutError } from './errors.js'
+import { schedules, type Scheduled } from './schedule.js'
+
+/** A store call in flight, waiting in the schedule of its bound (lib/schedule.ts). */
+class Pending<T> implements Scheduled {
+  dueAt = 0
+  previous: Scheduled | null = null
+  next: Scheduled | null = null
+  scheduled = false
+  timedOut = false
+
+  constructor (
+    readonly operation: string,
+    readonly ms: number,
+    readonly resolve: (value: T) => void,
+    readonly reject: (error: unknown) => void,
+    readonly onLate: ((value: T) => void) | undefined
+  ) {}
+
+  settle (value: T): void {
+    if (this.timedOut) {
+      this.onLate?.(value)
+      return
+    }
+    scheduleFor(this.ms).remove(this)
+    this.resolve(value)
+  }
+
+  fail (error: unknown): void {
+    if (this.timedOut) return
+    scheduleFor(this.ms).remove(this)
+    this.reject(error)
+  }
+}
+
+const scheduleFor = schedules<Pending<any>>((pending) => {
+  pending.timedOut = true
+  pending.reject(new StoreTimeoutError(pending.operation, pending.ms))
+}, true)
 
 /**
  * Bounds a store call: a store that hangs must turn into a store failure (503, or a logged bypass),
@@ -8,23 +46,15 @@ import { StoreTimeoutError } from './errors.js'
  */
 export function withTimeout<T> (operation: string, ms: number, call: () => Promise<T>, onLate?: (value: T) => void): Promise<T> {
   return new Promise<T>((resolve, reject) => {
-    let timedOut = false
-    const timer = setTimeout(() => { timedOut = true; reject(new StoreTimeoutError(operation, ms)) }, ms)
-    let pending: Promise<T>
+    const pending = new Pending<T>(operation, ms, resolve, reject, onLate)
+    let result: Promise<T>
     try {
-      pending = call()
+      result = call()
     } catch (err) {
-      clearTimeout(timer)
       reject(err)
       return
     }
-    pending.then(
-      (value) => {
-        clearTimeout(timer)
-        if (timedOut) onLate?.(value)
-        else resolve(value)
-      },
-      (err: unknown) => { clearTimeout(timer); reject(err) }
-    )
+    scheduleFor(ms).add(pending)
+    result.then((value) => { pending.settle(value) }, (err: unknown) => { pending.fail(err) })
   })
 }

@@ -1,0 +1,57 @@
+import t from 'tap'
+import { Schedule, type Scheduled } from '../lib/schedule.js'
+import { sleep } from './helpers/app.js'
+
+/** The shared deadlines behind store-call timeouts and lease renewals (lib/schedule.ts). */
+
+class Item implements Scheduled {
+  dueAt = 0
+  previous: Scheduled | null = null
+  next: Scheduled | null = null
+  scheduled = false
+  constructor (readonly name: string) {}
+}
+
+const timers = (): number => process.getActiveResourcesInfo().filter((resource) => resource === 'Timeout').length
+
+t.test('items fall due in the order they were added, each after the delay; a removed item never does', async (t) => {
+  const due: Array<[string, number]> = []
+  const started = performance.now()
+  const schedule = new Schedule<Item>(50, (item) => { due.push([item.name, performance.now() - started]) }, true)
+  const a = new Item('a')
+  const b = new Item('b')
+  const c = new Item('c')
+  schedule.add(a)
+  await sleep(20)
+  schedule.add(b)
+  schedule.add(c)
+  schedule.remove(b)
+  schedule.remove(b) // a no-op the second time
+  await sleep(120)
+  t.same(due.map(([name]) => name), ['a', 'c'])
+  t.ok((due[0]?.[1] ?? 0) >= 49, `a fell due after its delay (${due[0]?.[1].toFixed(0)} ms)`)
+  t.ok((due[1]?.[1] ?? 0) >= 69, `c, added 20 ms later, 20 ms later (${due[1]?.[1].toFixed(0)} ms)`)
+  t.equal(a.scheduled || b.scheduled || c.scheduled, false, 'nothing is left scheduled')
+})
+
+t.test('an item re-added from its own due callback waits a whole delay again', async (t) => {
+  let runs = 0
+  const schedule: Schedule<Item> = new Schedule<Item>(30, (item) => { if (++runs < 3) schedule.add(item) }, true)
+  schedule.add(new Item('again'))
+  await sleep(20)
+  t.equal(runs, 0)
+  await sleep(100)
+  t.equal(runs, 3)
+})
+
+t.test('a schedule holds a timer only while items wait; once emptied it neither wakes the process nor keeps it alive', async (t) => {
+  const before = timers()
+  const schedule = new Schedule<Item>(10_000, () => {}, true)
+  const items = [new Item('x'), new Item('y')]
+  for (const item of items) schedule.add(item)
+  t.equal(timers(), before + 1, 'one timer for both items')
+  schedule.remove(items[0] as Item)
+  t.equal(timers(), before + 1, 'still one while an item waits')
+  schedule.remove(items[1] as Item)
+  t.equal(timers(), before, 'none once empty')
+})
