@@ -8,8 +8,9 @@ import {
 import { SealedResponseError } from './encryption.js'
 import { RequestContext } from './recovery.js'
 import { scopeOf } from './scope.js'
+import { isThenable } from './thenable.js'
 import { isReference, sendRebuilt } from './reference.js'
-import { consultPrefilter, markInFlight, rememberCompleted } from './prefiltering.js'
+import { clearInFlight, consultPrefilter, markInFlight, rememberCompleted } from './prefiltering.js'
 import { rollBackForDepartedClient } from './settle.js'
 import type { ClaimAcquired, ClaimCompleted, ClaimInProgress, ClaimRequest, ClaimResult, Fingerprint, StoredResponse } from './store.js'
 import { withTimeout } from './timeout.js'
@@ -26,9 +27,11 @@ const MAX_POLL_MS = 250
  */
 export async function claimKey (engine: Engine, request: FastifyRequest, reply: FastifyReply, state: RequestState): Promise<FastifyReply | undefined> {
   const settings = state.settings
-  const scope = await scopeOf(settings.scope, request)
+  const scoped = scopeOf(settings.scope, request)
+  const scope = typeof scoped === 'string' ? scoped : await scoped
   state.scope = scope
-  const fingerprint = await fingerprintOf(request, state)
+  const fingerprinted = fingerprintOf(request, state)
+  const fingerprint = fingerprinted instanceof Promise ? await fingerprinted : fingerprinted
   state.context = new RequestContext(state.key, scope, fingerprint, engine, state)
   // `sql` (atomic mode) is typed by the Postgres entry point's augmentation of IdempotencyContext.
   request.idempotency = state.context as IdempotencyContext
@@ -36,11 +39,13 @@ export async function claimKey (engine: Engine, request: FastifyRequest, reply: 
   const claim: ClaimRequest = { scope, key: state.key, fingerprint, leaseMs: settings.lease, ttlMs: settings.ttl }
   const deadline = settings.wait > 0 ? Date.now() + settings.wait : 0
   let poll = FIRST_POLL_MS
-  for (;;) {
+  for (let round = 0; ; round++) {
     // What another attempt holds for the key: from the pre-filter when it knows, else from the
-    // store, which alone may hand the key to this request.
+    // store, which alone may hand the key to this request. An in-flight marker of another request
+    // is left to the store to judge (it may be younger than the store's answer: lib/prefilter.ts).
     let held: ClaimInProgress | ClaimCompleted
-    const hit = engine.prefilter === null ? null : await consultPrefilter(engine, state)
+    let hit = engine.prefilter === null ? null : await consultPrefilter(engine, state, fingerprint, round === 0)
+    if (hit?.state === 'in_progress' && !fingerprintsEqual(hit.fingerprint, fingerprint)) hit = null
     if (hit !== null) {
       held = hit.state === 'completed'
         ? { outcome: 'completed', fingerprint: hit.fingerprint, response: hit.response }
@@ -56,16 +61,19 @@ export async function claimKey (engine: Engine, request: FastifyRequest, reply: 
           result = await withTimeout('claim', settings.storeTimeout, () => engine.store.claim(claim), releaseLate(engine, state))
         }
       } catch (err) {
+        if (state.markedInFlight) clearInFlight(engine, state)
         return storeFailed(engine, request, reply, state, err)
       }
       if (result.outcome === 'acquired') {
         becomeOwner(engine, reply, state, result)
         return undefined
       }
-      // The storm's next duplicates can then be answered without the store.
-      if (result.outcome === 'completed' && result.expiresInMs !== undefined) {
+      // The storm's next duplicates can then be answered without the store. The copy replaces the
+      // marker the first look may have set; without a copy, that marker (this request's, and this
+      // request does not own the key) goes.
+      const copied = result.outcome === 'completed' && result.expiresInMs !== undefined &&
         rememberCompleted(engine, state, result.fingerprint, result.response, result.expiresInMs, asked)
-      }
+      if (!copied && state.markedInFlight) clearInFlight(engine, state)
       held = result
     }
 
@@ -125,7 +133,8 @@ function claimInTransaction (engine: Engine, claim: ClaimRequest, waitMs: number
   return store.claimInTransaction({ ...claim, waitMs })
 }
 
-async function fingerprintOf (request: FastifyRequest, state: RequestState): Promise<Fingerprint> {
+/** Synchronous but for a custom function that returns a promise. */
+function fingerprintOf (request: FastifyRequest, state: RequestState): Fingerprint | Promise<Fingerprint> {
   const mode = state.settings.fingerprint
   switch (mode.mode) {
     case 'canonical':
@@ -133,13 +142,17 @@ async function fingerprintOf (request: FastifyRequest, state: RequestState): Pro
     case 'raw':
       return finishRawHash(state.rawHash ?? startRawHash(request.method, request.url))
     case 'custom': {
-      const value = await mode.fn(request)
-      if (typeof value !== 'string' && !Buffer.isBuffer(value)) {
-        throw new TypeError(`fastify-idempotency: the fingerprint function must return a string or a Buffer; it returned ${typeof value}`)
-      }
-      return customFingerprint(value)
+      const value = mode.fn(request)
+      return isThenable(value) ? Promise.resolve(value).then(customOf) : customOf(value)
     }
   }
+}
+
+function customOf (value: unknown): Fingerprint {
+  if (typeof value !== 'string' && !Buffer.isBuffer(value)) {
+    throw new TypeError(`fastify-idempotency: the fingerprint function must return a string or a Buffer; it returned ${typeof value}`)
+  }
+  return customFingerprint(value)
 }
 
 /** Answers from the record (draft §2.6): the original status, replayable headers and body bytes. */

@@ -6,6 +6,7 @@ import { kState, RequestState, stateOf, type StatefulRequest } from './context.j
 import { answer, type Engine } from './engine.js'
 import { hashingStream, startRawHash } from './fingerprint.js'
 import { parseKey } from './key.js'
+import { isThenable } from './thenable.js'
 import { observe } from './observe.js'
 import type { RouteSettings } from './options.js'
 import { releaseUnsent, rollBackForDepartedClient, settleOwner } from './settle.js'
@@ -110,8 +111,8 @@ export function trackHandler (handler: RouteHandlerMethod): RouteHandlerMethod {
       throw err
     }
     // A reply is a thenable too (it resolves once sent): a sync handler that returns it has returned.
-    if (result !== reply && result !== null && typeof result === 'object' && typeof (result as PromiseLike<unknown>).then === 'function') {
-      (result as PromiseLike<unknown>).then(() => { lifecycle.handlerReturned('returned') }, () => { lifecycle.handlerReturned('threw') })
+    if (result !== reply && isThenable(result)) {
+      result.then(() => { lifecycle.handlerReturned('returned') }, () => { lifecycle.handlerReturned('threw') })
     } else {
       lifecycle.handlerReturned('returned')
     }

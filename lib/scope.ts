@@ -1,5 +1,6 @@
 import type { FastifyRequest } from 'fastify'
 import { EmptyScopeError } from './errors.js'
+import { isThenable } from './thenable.js'
 import type { ScopeFunction } from './options.js'
 
 /** A lone surrogate (\p{Cs} in a u-mode pattern matches only unpaired ones) or NUL. */
@@ -11,8 +12,14 @@ const MALFORMED_SCOPE = /[\p{Cs}\0]/u
  * '\udbff' into the same U+FFFD, merging two principals' keys (draft §5), and NUL has no place in a
  * text column. Refused loudly: a scope is the app's value, not the client's.
  */
-export async function scopeOf (scope: ScopeFunction | null, request: FastifyRequest): Promise<string> {
-  const value: unknown = scope === null ? '' : await scope(request)
+export function scopeOf (scope: ScopeFunction | null, request: FastifyRequest): string | Promise<string> {
+  if (scope === null) return ''
+  const value: unknown = scope(request)
+  // A synchronous scope function stays synchronous: no promise, no extra tick on every request.
+  return isThenable(value) ? Promise.resolve(value).then(checkScope) : checkScope(value)
+}
+
+function checkScope (value: unknown): string {
   if (typeof value !== 'string') {
     throw new TypeError(`fastify-idempotency: the scope function must return a string; it returned ${value === null ? 'null' : typeof value}`)
   }
