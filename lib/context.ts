@@ -3,7 +3,7 @@ import type { FastifyBaseLogger, FastifyRequest } from 'fastify'
 import { Lifecycle } from './lifecycle.js'
 import type { RouteSettings } from './options.js'
 import type { RequestContext } from './recovery.js'
-import type { Fingerprint, OutboxEntry } from './store.js'
+import type { Fingerprint, OutboxEntry, RecordId } from './store.js'
 
 /** What a protected request exposes as `request.idempotency`. */
 export interface IdempotencyContext {
@@ -75,6 +75,10 @@ export class RequestState {
   readonly lifecycle: Lifecycle = new Lifecycle(this)
   /** The handler (or a hook after it) threw: the outcome is a failure, never recorded. */
   errored = false
+  /** (scope, key) as one object, for the pre-filter's calls. */
+  recordId: RecordId | null = null
+  /** The pre-filter holds this request's in-flight marker (set by its first lookup). */
+  markedInFlight = false
   context: RequestContext | null = null
   /** Set by markIndeterminate / markDefinite; null leaves it to the default (steps completed or not). */
   failure: 'definite' | 'indeterminate' | null = null

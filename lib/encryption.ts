@@ -146,10 +146,16 @@ export function encryptedStore (keyring: Keyring, store: IdempotencyStore): Idem
  * `lookup` throw, which the plugin treats as a miss: the store answers.
  */
 export function encryptedPrefilter (keyring: Keyring, prefilter: IdempotencyPrefilter): IdempotencyPrefilter {
+  const openHit = (id: RecordId, hit: PrefilterHit | null): PrefilterHit | null =>
+    hit?.state === 'completed' ? { ...hit, response: openResponse(keyring, id, hit.response) } : hit
   return decorate<IdempotencyPrefilter>(prefilter, {
     async lookup (id) {
-      const hit: PrefilterHit | null = await prefilter.lookup(id)
-      return hit?.state === 'completed' ? { ...hit, response: openResponse(keyring, id, hit.response) } : hit
+      return openHit(id, await prefilter.lookup(id))
+    },
+    async lookupOrMark (id, fingerprint, ttlMs) {
+      // Only reachable when the pre-filter has the method: decorate() hides overrides of absent ones.
+      const looked = await (prefilter.lookupOrMark as NonNullable<IdempotencyPrefilter['lookupOrMark']>)(id, fingerprint, ttlMs)
+      return { hit: openHit(id, looked.hit), marked: looked.marked }
     },
     async remember (id, fingerprint, response, ttlMs) {
       return prefilter.remember(id, fingerprint, sealResponse(keyring, id, response), ttlMs)

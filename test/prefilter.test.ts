@@ -189,6 +189,59 @@ function suite (name: string, connect: () => Redis | Cluster): void {
       }
     })
 
+    t.test('a fresh key costs one Redis round trip before the store: its marker is set by the same script', async (t) => {
+      const inner = redisPrefilter({ client, prefix: `t${randomBytes(4).toString('hex')}`, timeout: 200 })
+      const calls: string[] = []
+      const prefilter: IdempotencyPrefilter = {
+        lookup: async (id) => { calls.push('lookup'); return await inner.lookup(id) },
+        lookupOrMark: async (id, fingerprint, ttl) => { calls.push('lookupOrMark'); return await (inner.lookupOrMark as NonNullable<IdempotencyPrefilter['lookupOrMark']>)(id, fingerprint, ttl) },
+        markInFlight: async (id, fingerprint, ttl) => { calls.push('markInFlight'); await inner.markInFlight(id, fingerprint, ttl) },
+        clearInFlight: async (id) => { calls.push('clearInFlight'); await inner.clearInFlight(id) },
+        remember: async (id, fingerprint, response, ttl) => { calls.push('remember'); await inner.remember(id, fingerprint, response, ttl) },
+        close: async () => { await inner.close() }
+      }
+      const { app, store, runs } = await world(t, { delay: 150, prefilter })
+      const original = pay(app, 'fresh-1')
+      await sleep(60)
+      const claims = store.calls.claim
+      const duplicate = await pay(app, 'fresh-1')
+      t.equal(duplicate.statusCode, 409, 'a duplicate while the original runs is refused from Redis')
+      t.equal(store.calls.claim, claims, 'without asking the store')
+      t.equal((await original).statusCode, 201)
+      await settled()
+      t.same(calls.slice(0, 3), ['lookupOrMark', 'lookupOrMark', 'remember'],
+        'the original: one look that also marked it, then the copy; no separate markInFlight')
+      t.equal(runs.get('fresh-1'), 1)
+    })
+
+    t.test('an in-flight marker of another request is left to the store: the reuse gets its 422 from the store', async (t) => {
+      const { app, store, runs } = await world(t, { delay: 150 })
+      const original = pay(app, 'reused-1', 1)
+      await sleep(60)
+      const claims = store.calls.claim
+      const other = await pay(app, 'reused-1', 2)
+      t.equal(other.statusCode, 422)
+      t.equal(store.calls.claim, claims + 1, 'the store answered it')
+      t.equal((await original).statusCode, 201)
+      t.equal(runs.get('reused-1'), 1)
+    })
+
+    t.test('a marker set by the first look goes when the store does not hand the key over', async (t) => {
+      const prefilter = redisPrefilter({ client, prefix: `t${randomBytes(4).toString('hex')}`, timeout: 200 })
+      const { app, runs } = await world(t, { delay: 200, prefilter })
+      const original = pay(app, 'not-mine')
+      await sleep(60)
+      await prefilter.clearInFlight({ scope: 'tenant', key: 'not-mine' }) // the original's marker is lost (an eviction)
+      const duplicate = await pay(app, 'not-mine')
+      t.equal(duplicate.statusCode, 409, 'the store says in progress')
+      await settled()
+      t.equal(await prefilter.lookup({ scope: 'tenant', key: 'not-mine' }), null, 'the duplicate\'s own marker did not stay')
+      t.equal((await original).statusCode, 201)
+      await settled()
+      t.equal((await prefilter.lookup({ scope: 'tenant', key: 'not-mine' }))?.state, 'completed', 'the original\'s copy is there')
+      t.equal(runs.get('not-mine'), 1)
+    })
+
     t.test('a released key clears its marker: the retry executes at once', async (t) => {
       const { app } = await world(t)
       let runs = 0

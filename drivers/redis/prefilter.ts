@@ -67,15 +67,45 @@ export function redisPrefilter (options: RedisPrefilterOptions): RedisPrefilter 
     })
   }
 
+  /** The hash of each (scope, key): the core passes one RecordId object for all of a request's calls. */
+  const keys = new WeakMap<RecordId, string>()
+  const keyOf = (id: RecordId): string => {
+    let key = keys.get(id)
+    if (key === undefined) {
+      key = recordKey(prefix, id)
+      keys.set(id, key)
+    }
+    return key
+  }
+
+  const counted = (hit: PrefilterHit | null): PrefilterHit | null => {
+    if (hit === null) stats.misses++
+    else stats.hits++
+    return hit
+  }
+
+  async function lookup (id: RecordId): Promise<PrefilterHit | null> {
+    // One HGETALL is atomic: a half-written record can never be seen (scripts write in one go).
+    // The Buffer variant keeps digests and bodies byte-identical.
+    return counted(parseHit(await bounded('lookup', () => client.hgetallBuffer(keyOf(id)))))
+  }
+
   return {
-    async lookup (id) {
-      // One HGETALL is atomic: a half-written record can never be seen (scripts write in one go).
-      // The Buffer variant keeps digests and bodies byte-identical.
-      const fields = await bounded('lookup', () => client.hgetallBuffer(recordKey(prefix, id)))
-      const hit = parseHit(fields)
-      if (hit === null) stats.misses++
-      else stats.hits++
-      return hit
+    lookup,
+
+    async lookupOrMark (id, fingerprint, ttlMs) {
+      const ttl = ttlOf('lookupOrMark', ttlMs)
+      // A lease too short to hold a marker: a plain lookup (holding no marker is the safe side).
+      if (ttl === 0) return { hit: await lookup(id), marked: false }
+      const pairs = await bounded('lookupOrMark', () =>
+        scripts[COMMAND.lookupOrMarkBuffer](keyOf(id), fingerprint.algorithm, fingerprint.digest, ttl))
+      if (pairs.length === 0) {
+        stats.misses++
+        return { hit: null, marked: true }
+      }
+      const fields: Record<string, Buffer> = {}
+      for (let i = 0; i + 1 < pairs.length; i += 2) fields[(pairs[i] as Buffer).toString()] = pairs[i + 1] as Buffer
+      return { hit: counted(parseHit(fields)), marked: false }
     },
 
     get stats (): PrefilterStats { return { ...stats } },
@@ -84,11 +114,11 @@ export function redisPrefilter (options: RedisPrefilterOptions): RedisPrefilter 
       const ttl = ttlOf('markInFlight', ttlMs)
       if (ttl === 0) return // nothing would outlive the lease: holding no marker is the safe side
       await bounded('markInFlight', () =>
-        scripts[COMMAND.mark](recordKey(prefix, id), fingerprint.algorithm, fingerprint.digest, ttl))
+        scripts[COMMAND.mark](keyOf(id), fingerprint.algorithm, fingerprint.digest, ttl))
     },
 
     async clearInFlight (id) {
-      await bounded('clearInFlight', () => scripts[COMMAND.clear](recordKey(prefix, id)))
+      await bounded('clearInFlight', () => scripts[COMMAND.clear](keyOf(id)))
     },
 
     async remember (id, fingerprint, response, ttlMs) {
@@ -96,7 +126,7 @@ export function redisPrefilter (options: RedisPrefilterOptions): RedisPrefilter 
       if (ttl === 0) return // the store's record is about to expire: a copy must not outlive it
       const retained = response.body !== null
       await bounded('remember', () => scripts[COMMAND.remember](
-        recordKey(prefix, id), fingerprint.algorithm, fingerprint.digest, response.statusCode,
+        keyOf(id), fingerprint.algorithm, fingerprint.digest, response.statusCode,
         JSON.stringify(response.headers), retained ? '1' : '0', response.body ?? EMPTY, ttl))
     },
 

@@ -8,10 +8,28 @@ import type { Cluster, Redis } from 'ioredis'
 
 /** Command names the scripts are registered under on the user's client. */
 export const COMMAND = Object.freeze({
+  lookupOrMark: 'idempotencyLookupOrMark',
+  lookupOrMarkBuffer: 'idempotencyLookupOrMarkBuffer',
   mark: 'idempotencyMark',
   clear: 'idempotencyClear',
   remember: 'idempotencyRemember'
 })
+
+/**
+ * KEYS[1] = record hash; ARGV = algorithm, digest (bytes), ttl ms. Returns the hash's fields and
+ * values as they were (what a lookup returns), or an empty list after writing the caller's marker.
+ */
+const LOOKUP_OR_MARK = `
+-- Whatever is there is the answer, as for a plain lookup (HGETALL is what lookup runs too).
+local fields = redis.call('HGETALL', KEYS[1])
+if #fields > 0 then return fields end
+-- Nothing: the caller is about to ask the store, and marks the key in flight meanwhile, so
+-- duplicates of the same request arriving from now on get 409 without the store.
+redis.call('HSET', KEYS[1], 'state', 'in_progress', 'alg', ARGV[1], 'digest', ARGV[2])
+-- Bounded by the lease: a marker whose request never came back delays retries at most this long.
+redis.call('PEXPIRE', KEYS[1], ARGV[3])
+return {}
+`
 
 /** KEYS[1] = record hash; ARGV = algorithm, digest (bytes), ttl ms. Returns 1 if written, 0 if not. */
 const MARK = `
@@ -59,6 +77,8 @@ type Reply = Promise<unknown>
 
 /** The user's client once the scripts are defined on it. */
 export interface ScriptedClient {
+  /** The Buffer variant ioredis defines beside every command: field names and values as Buffers. */
+  [COMMAND.lookupOrMarkBuffer]: (key: string, algorithm: string, digest: Buffer, ttlMs: number) => Promise<Buffer[]>
   [COMMAND.mark]: (key: string, algorithm: string, digest: Buffer, ttlMs: number) => Reply
   [COMMAND.clear]: (key: string) => Reply
   [COMMAND.remember]: (key: string, algorithm: string, digest: Buffer, status: number, headers: string,
@@ -73,7 +93,7 @@ export interface ScriptedClient {
  */
 export function defineScripts (client: Redis | Cluster): ScriptedClient {
   const commands = client as unknown as Record<string, unknown>
-  for (const [name, lua] of [[COMMAND.mark, MARK], [COMMAND.clear, CLEAR], [COMMAND.remember, REMEMBER]] as const) {
+  for (const [name, lua] of [[COMMAND.lookupOrMark, LOOKUP_OR_MARK], [COMMAND.mark, MARK], [COMMAND.clear, CLEAR], [COMMAND.remember, REMEMBER]] as const) {
     if (typeof commands[name] !== 'function') client.defineCommand(name, { numberOfKeys: 1, lua })
   }
   return client as unknown as ScriptedClient

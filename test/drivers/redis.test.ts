@@ -106,6 +106,27 @@ function suite (t: Test, client: Redis | Cluster): void {
     }
   })
 
+  t.test('lookupOrMark: what is there is the answer, and nothing there becomes the caller\'s marker', async (t) => {
+    const { pf } = make()
+    const lookupOrMark = pf.lookupOrMark as NonNullable<IdempotencyPrefilter['lookupOrMark']>
+    t.same(await lookupOrMark(id('fresh'), A, LONG), { hit: null, marked: true }, 'a miss, and marked')
+    const marker = await pf.lookup(id('fresh'))
+    t.equal(marker?.state, 'in_progress')
+    t.ok(marker?.fingerprint.digest.equals(A.digest), 'with the caller\'s fingerprint')
+    const again = await lookupOrMark(id('fresh'), fp('other'), LONG)
+    t.equal(again.marked, false, 'a marker is there: nothing written')
+    t.ok(again.hit?.fingerprint.digest.equals(A.digest), 'and it is the answer, as a lookup would give')
+
+    await pf.remember(id('done'), A, RESPONSE, LONG)
+    const done = await lookupOrMark(id('done'), fp('other'), LONG)
+    t.equal(done.marked, false)
+    t.equal(done.hit?.state, 'completed', 'a completed record is returned, never replaced')
+    if (done.hit?.state === 'completed') t.ok(done.hit.response.body?.equals(RESPONSE.body as Buffer), 'byte-identical')
+
+    t.same(await lookupOrMark(id('no-lease'), A, 0), { hit: null, marked: false }, 'a ttl of 0 only looks')
+    t.equal(await pf.lookup(id('no-lease')), null)
+  })
+
   t.test('markInFlight never overwrites a completed record', async (t) => {
     const { pf } = make()
     await pf.remember(id('k'), A, RESPONSE, LONG)
