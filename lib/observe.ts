@@ -113,8 +113,7 @@ export interface Observed {
  */
 export function observe (metrics: Metrics | null, subject: Observed, outcome: Outcome, level: Level, message: string, err?: unknown): void {
   const log = subject.log
-  // pino's isLevelEnabled; a logger without it is simply called.
-  if ((log as { isLevelEnabled?: (level: string) => boolean }).isLevelEnabled?.(level) !== false) {
+  if (enabled(log, level)) {
     const fields: Record<string, unknown> = { idempotency: { outcome, scope: subject.scope, key: truncate(subject.key) } }
     if (err !== undefined) fields.err = err
     log[level](fields, message)
@@ -132,6 +131,17 @@ export function observe (metrics: Metrics | null, subject: Observed, outcome: Ou
     const event: DecisionEvent = { outcome, scope: subject.scope, key: subject.key, method: request.method, route, durationMs, request }
     channel.publish(event)
   }
+}
+
+/**
+ * pino's isLevelEnabled; a logger without it is simply called, except Fastify's own silent logger
+ * (`logger: false`, abstract-logging), whose every method is one no-op: building a log object for
+ * it on every request is pure waste.
+ */
+function enabled (log: FastifyBaseLogger, level: Level): boolean {
+  const check = (log as { isLevelEnabled?: (level: string) => boolean }).isLevelEnabled
+  if (check !== undefined) return check.call(log, level) !== false
+  return !(log.fatal === log.error && log.error === log.info && log.info === log.trace)
 }
 
 function truncate (key: string): string {

@@ -53,7 +53,8 @@ async function settle (engine: Engine, reply: FastifyReply, state: RequestState,
   }
   // Node refuses such a response in writeHead, after onSend, and Fastify then answers 500: the
   // client never receives it, so it must not become the key's outcome.
-  const unsendable = unsendableHeader(reply.getHeaders())
+  let replyHeaders = reply.getHeaders()
+  const unsendable = unsendableHeader(replyHeaders)
   if (unsendable !== null) {
     observe(engine.metrics, state, 'not_recorded', 'error', `idempotency: the response has a header Node cannot send (${unsendable}); it is not recorded`)
     await giveUp(engine, state, 'the response cannot be sent')
@@ -61,8 +62,11 @@ async function settle (engine: Engine, reply: FastifyReply, state: RequestState,
   }
 
   // A Buffer is replayed with Fastify's default type for bytes; give the original the same one.
-  if (captured.kind === 'stream' && !reply.hasHeader('content-type')) reply.header('content-type', 'application/octet-stream')
-  const headers = pickReplayHeaders(reply.getHeaders(), state.settings.replayHeaders)
+  if (captured.kind === 'stream' && replyHeaders['content-type'] === undefined) {
+    reply.header('content-type', 'application/octet-stream')
+    replyHeaders = reply.getHeaders()
+  }
+  const headers = pickReplayHeaders(replyHeaders, state.settings.replayHeaders)
   const limit = state.settings.maxResponseBytes
   const reference = referenceOf(engine, state, statusCode, headers)
   if (state.lifecycle.transactional) return await commitThenSend(engine, reply, state, captured, headers, reference)

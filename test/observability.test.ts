@@ -157,3 +157,36 @@ t.test('the status route\'s store failures go through the same decision path (lo
   const line = lines.find((entry) => entry.idempotency?.outcome === 'store_error')
   t.same([line?.level, line?.idempotency.scope, line?.idempotency.key, line?.err?.message], [50, 'acct_a', 'abc', 'database down'])
 })
+
+t.test('a logger without isLevelEnabled is called at every level; with a silent one (one no-op for every level) requests work as ever', async (t) => {
+  const calls: string[] = []
+  const logger = {
+    fatal: () => { calls.push('fatal') },
+    error: () => { calls.push('error') },
+    warn: () => { calls.push('warn') },
+    info: () => { calls.push('info') },
+    debug: (fields: { idempotency?: { outcome?: string } }) => { calls.push(`debug ${fields.idempotency?.outcome ?? ''}`) },
+    trace: () => { calls.push('trace') },
+    silent: () => {},
+    level: 'debug',
+    child () { return this }
+  }
+  const app = Fastify({ loggerInstance: logger as never, disableRequestLogging: true })
+  t.teardown(() => app.close())
+  await app.register(idempotency, { store: memoryStore({ purgeInterval: 0 }), scope: () => 'test' })
+  app.post('/pay', async () => ({ ok: true }))
+  await app.inject({ method: 'POST', url: '/pay', headers: { 'idempotency-key': '"k"', 'content-type': 'application/json' }, payload: {} })
+  t.ok(calls.includes('debug executed') && calls.includes('debug recorded'), `a custom logger got the decisions (${calls.join(', ')})`)
+
+  // abstract-logging, Fastify's logger when logger: false: one no-op for every level.
+  const noop = (): void => {}
+  let built = 0
+  const silent = { fatal: noop, error: noop, warn: noop, info: noop, debug: noop, trace: noop, child () { return this } }
+  const quiet = Fastify({ loggerInstance: silent as never, disableRequestLogging: true })
+  t.teardown(() => quiet.close())
+  await quiet.register(idempotency, { store: memoryStore({ purgeInterval: 0 }), scope: () => { built++; return 'test' } })
+  quiet.post('/pay', async () => ({ ok: true }))
+  const answer = await quiet.inject({ method: 'POST', url: '/pay', headers: { 'idempotency-key': '"k"', 'content-type': 'application/json' }, payload: {} })
+  t.equal(answer.statusCode, 200, 'and it works as ever')
+  t.equal(built, 1)
+})
