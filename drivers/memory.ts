@@ -6,7 +6,7 @@ import { integerOption, MAX_TIMER_MS } from '../lib/validate.js'
 import type { InspectedRecord, RecoveryTools } from '../lib/admin.js'
 import { reconcileWith, startReconcilerWith, type ReconcileOptions, type ReconcilerOptions, type ReconcileSource } from '../lib/reconcile.js'
 import type {
-  ClaimRequest, ClaimResult, Fingerprint, IdempotencyStore, Lease, RecordId, StepResults, StoredRecord, StoredResponse
+  ClaimRequest, ClaimResult, Fingerprint, IdempotencyStore, Lease, RecordId, StepResults, StoredRecord, StoredResponse, SyncOperations
 } from '../lib/store.js'
 
 export interface MemoryStoreOptions {
@@ -232,76 +232,89 @@ export function memoryStore (options: MemoryStoreOptions = {}): MemoryStore {
     return { scope: id.slice(colon + 1, colon + 1 + length), key: id.slice(colon + 1 + length) }
   }
 
+  // Every operation runs synchronously within one call; the plugin calls these directly (lib/store.ts).
+  function claim (request: ClaimRequest): ClaimResult {
+    const at = now()
+    const id = idOf(request.scope, request.key)
+    const entry = live(id, at)
+    if (entry === undefined) {
+      makeRoom(at)
+      const token = randomUUID()
+      const created: Entry = {
+        state: 'in_progress',
+        fingerprint: request.fingerprint,
+        algorithm: request.fingerprint.algorithm,
+        token,
+        leaseUntil: at + request.leaseMs,
+        expiresAt: at + request.ttlMs,
+        packed: null,
+        digestLength: 0,
+        retained: false,
+        statusCode: 0,
+        headers: null,
+        bytes: ENTRY_OVERHEAD + id.length * 2,
+        steps: null,
+        indeterminate: false,
+        createdAt: at
+      }
+      outliveLease(created)
+      entries.set(id, created)
+      bytes += created.bytes
+      return { outcome: 'acquired', lease: { scope: request.scope, key: request.key, token }, takeover: false }
+    }
+    if (entry.state === 'in_progress' && entry.leaseUntil <= at && !entry.indeterminate && fingerprintsEqual(fingerprintOf(entry), request.fingerprint)) {
+      entry.token = randomUUID()
+      entry.leaseUntil = at + request.leaseMs
+      // The record lives at least a ttl from now, as a newly created one would.
+      entry.expiresAt = Math.max(entry.expiresAt, at + request.ttlMs)
+      outliveLease(entry)
+      return { outcome: 'acquired', lease: { scope: request.scope, key: request.key, token: entry.token }, takeover: true }
+    }
+    if (entry.state === 'completed') {
+      return { outcome: 'completed', fingerprint: fingerprintOf(entry), response: responseOf(entry), expiresInMs: entry.expiresAt - at }
+    }
+    return { outcome: 'in_progress', fingerprint: fingerprintOf(entry), leaseRemainingMs: Math.max(0, entry.leaseUntil - at) }
+  }
+
+  function complete (lease: Lease, response: StoredResponse, ttlMs: number): boolean {
+    const at = now()
+    const entry = owned(lease, at)
+    if (entry === undefined) return false
+    const digest = (entry.fingerprint as Fingerprint).digest
+    entry.packed = slabs.pack(digest, response.body)
+    entry.digestLength = digest.length
+    entry.retained = response.body !== null
+    entry.statusCode = response.statusCode
+    entry.headers = headerSets.intern(response.headers)
+    entry.fingerprint = null
+    entry.token = ''
+    dropSteps(entry)
+    const size = entry.packed.length + headerBytes(response.headers)
+    entry.state = 'completed'
+    entry.expiresAt = at + ttlMs
+    entry.bytes += size
+    bytes += size
+    return true
+  }
+
+  function release (lease: Lease): boolean {
+    const entry = owned(lease, now())
+    if (entry === undefined) return false
+    drop(idOf(lease.scope, lease.key), entry)
+    return true
+  }
+
   const store: MemoryStore = {
     async claim (request: ClaimRequest): Promise<ClaimResult> {
-      const at = now()
-      const id = idOf(request.scope, request.key)
-      const entry = live(id, at)
-      if (entry === undefined) {
-        makeRoom(at)
-        const token = randomUUID()
-        const created: Entry = {
-          state: 'in_progress',
-          fingerprint: request.fingerprint,
-          algorithm: request.fingerprint.algorithm,
-          token,
-          leaseUntil: at + request.leaseMs,
-          expiresAt: at + request.ttlMs,
-          packed: null,
-          digestLength: 0,
-          retained: false,
-          statusCode: 0,
-          headers: null,
-          bytes: ENTRY_OVERHEAD + id.length * 2,
-          steps: null,
-          indeterminate: false,
-          createdAt: at
-        }
-        outliveLease(created)
-        entries.set(id, created)
-        bytes += created.bytes
-        return { outcome: 'acquired', lease: { scope: request.scope, key: request.key, token }, takeover: false }
-      }
-      if (entry.state === 'in_progress' && entry.leaseUntil <= at && !entry.indeterminate && fingerprintsEqual(fingerprintOf(entry), request.fingerprint)) {
-        entry.token = randomUUID()
-        entry.leaseUntil = at + request.leaseMs
-        // The record lives at least a ttl from now, as a newly created one would.
-        entry.expiresAt = Math.max(entry.expiresAt, at + request.ttlMs)
-        outliveLease(entry)
-        return { outcome: 'acquired', lease: { scope: request.scope, key: request.key, token: entry.token }, takeover: true }
-      }
-      if (entry.state === 'completed') {
-        return { outcome: 'completed', fingerprint: fingerprintOf(entry), response: responseOf(entry), expiresInMs: entry.expiresAt - at }
-      }
-      return { outcome: 'in_progress', fingerprint: fingerprintOf(entry), leaseRemainingMs: Math.max(0, entry.leaseUntil - at) }
+      return claim(request)
     },
 
     async complete (lease: Lease, response: StoredResponse, ttlMs: number): Promise<boolean> {
-      const at = now()
-      const entry = owned(lease, at)
-      if (entry === undefined) return false
-      const digest = (entry.fingerprint as Fingerprint).digest
-      entry.packed = slabs.pack(digest, response.body)
-      entry.digestLength = digest.length
-      entry.retained = response.body !== null
-      entry.statusCode = response.statusCode
-      entry.headers = headerSets.intern(response.headers)
-      entry.fingerprint = null
-      entry.token = ''
-      dropSteps(entry)
-      const size = entry.packed.length + headerBytes(response.headers)
-      entry.state = 'completed'
-      entry.expiresAt = at + ttlMs
-      entry.bytes += size
-      bytes += size
-      return true
+      return complete(lease, response, ttlMs)
     },
 
     async release (lease: Lease): Promise<boolean> {
-      const entry = owned(lease, now())
-      if (entry === undefined) return false
-      drop(idOf(lease.scope, lease.key), entry)
-      return true
+      return release(lease)
     },
 
     async renew (lease: Lease, leaseMs: number): Promise<boolean> {
@@ -388,6 +401,8 @@ export function memoryStore (options: MemoryStoreOptions = {}): MemoryStore {
       bytes = 0
     }
   }
+  const sync: SyncOperations = { claim, complete, release }
+  Object.defineProperty(store, 'sync', { value: sync, enumerable: false })
   stores.add(store)
   return store
 }

@@ -20,23 +20,58 @@ import { localId } from './waiters.js'
 const FIRST_POLL_MS = 10
 const MAX_POLL_MS = 250
 
+/** What the claim decided: undefined, the handler runs; a reply, the request was answered. */
+type Claimed = FastifyReply | undefined
+
 /**
  * preHandler: the body is parsed and validated and the caller authenticated, so this is the first
  * point where the request is known to be one the handler would run. Resolves the scope, computes
- * the fingerprint, and lets the store decide: execute (owner), replay, 409, 422.
+ * the fingerprint, and lets the store decide: execute (owner), replay, 409, 422. Synchronous from
+ * end to end when everything it needs is (a sync scope and fingerprint, a store with synchronous
+ * operations, no pre-filter, no wait, lease mode): the embedded default pays no promise for it.
  */
-export async function claimKey (engine: Engine, request: FastifyRequest, reply: FastifyReply, state: RequestState): Promise<FastifyReply | undefined> {
-  const settings = state.settings
-  const scoped = scopeOf(settings.scope, request)
-  const scope = typeof scoped === 'string' ? scoped : await scoped
+export function claimKey (engine: Engine, request: FastifyRequest, reply: FastifyReply, state: RequestState): Claimed | Promise<Claimed> {
+  const scoped = scopeOf(state.settings.scope, request)
+  return isThenable(scoped)
+    ? Promise.resolve(scoped).then((scope) => claimScoped(engine, request, reply, state, scope))
+    : claimScoped(engine, request, reply, state, scoped)
+}
+
+function claimScoped (engine: Engine, request: FastifyRequest, reply: FastifyReply, state: RequestState, scope: string): Claimed | Promise<Claimed> {
   state.scope = scope
   const fingerprinted = fingerprintOf(request, state)
-  const fingerprint = fingerprinted instanceof Promise ? await fingerprinted : fingerprinted
-  state.context = new RequestContext(state.key, scope, fingerprint, engine, state)
+  return isThenable(fingerprinted)
+    ? Promise.resolve(fingerprinted).then((fingerprint) => claimFor(engine, request, reply, state, fingerprint))
+    : claimFor(engine, request, reply, state, fingerprinted)
+}
+
+function claimFor (engine: Engine, request: FastifyRequest, reply: FastifyReply, state: RequestState, fingerprint: Fingerprint): Claimed | Promise<Claimed> {
+  const settings = state.settings
+  state.context = new RequestContext(state.key, state.scope, fingerprint, engine, state)
   // `sql` (atomic mode) is typed by the Postgres entry point's augmentation of IdempotencyContext.
   request.idempotency = state.context as IdempotencyContext
+  const claim: ClaimRequest = { scope: state.scope, key: state.key, fingerprint, leaseMs: settings.lease, ttlMs: settings.ttl }
+  const sync = engine.store.sync
+  if (sync !== undefined && engine.prefilter === null && settings.wait === 0 && !settings.transaction) {
+    let result: ClaimResult
+    try {
+      result = sync.claim(claim)
+    } catch (err) {
+      return storeFailed(engine, request, reply, state, err)
+    }
+    if (result.outcome === 'acquired') {
+      becomeOwner(engine, reply, state, result)
+      return undefined
+    }
+    return answerHeld(engine, request, reply, state, result, fingerprint) ?? refuseInProgress(engine, reply, state)
+  }
+  return claimLoop(engine, request, reply, state, claim)
+}
 
-  const claim: ClaimRequest = { scope, key: state.key, fingerprint, leaseMs: settings.lease, ttlMs: settings.ttl }
+/** The claim through the store's promises: with a pre-filter, a `wait` (polling), atomic mode. */
+async function claimLoop (engine: Engine, request: FastifyRequest, reply: FastifyReply, state: RequestState, claim: ClaimRequest): Promise<Claimed> {
+  const settings = state.settings
+  const fingerprint = claim.fingerprint
   const deadline = settings.wait > 0 ? Date.now() + settings.wait : 0
   let poll = FIRST_POLL_MS
   for (let round = 0; ; round++) {
@@ -77,22 +112,32 @@ export async function claimKey (engine: Engine, request: FastifyRequest, reply: 
       held = result
     }
 
-    // Draft §2.7: a key reused with a different request is a client error whatever the state of the
-    // original, so 422 is checked before 409 (the client must correct the request either way).
-    if (!fingerprintsEqual(held.fingerprint, fingerprint)) {
-      observe(engine.metrics, state, 'mismatch', 'info', 'idempotency: key reused with a different request')
-      return answer(engine, state, reply, { kind: 'key-reused' })
-    }
-    if (held.outcome === 'completed') return await replay(engine, request, reply, state, held.response)
-
+    const answered = answerHeld(engine, request, reply, state, held, fingerprint)
+    if (answered !== null) return await answered
     const remaining = deadline - Date.now()
-    if (remaining <= 0) {
-      observe(engine.metrics, state, 'conflict', 'info', 'idempotency: original request still in progress')
-      return answer(engine, state, reply, { kind: 'request-in-progress', retryAfter: settings.retryAfter })
-    }
-    await engine.waiters.wait(localId(scope, state.key), Math.min(poll, remaining))
+    if (remaining <= 0) return refuseInProgress(engine, reply, state)
+    await engine.waiters.wait(localId(state.scope, state.key), Math.min(poll, remaining))
     poll = Math.min(poll * 2, MAX_POLL_MS)
   }
+}
+
+/**
+ * Another attempt holds the key: 422 for a different request, the replay of a completed one, or
+ * null while it is in progress (the caller waits or refuses).
+ */
+function answerHeld (engine: Engine, request: FastifyRequest, reply: FastifyReply, state: RequestState, held: ClaimInProgress | ClaimCompleted, fingerprint: Fingerprint): FastifyReply | Promise<FastifyReply> | null {
+  // Draft §2.7: a key reused with a different request is a client error whatever the state of the
+  // original, so 422 is checked before 409 (the client must correct the request either way).
+  if (!fingerprintsEqual(held.fingerprint, fingerprint)) {
+    observe(engine.metrics, state, 'mismatch', 'info', 'idempotency: key reused with a different request')
+    return answer(engine, state, reply, { kind: 'key-reused' })
+  }
+  return held.outcome === 'completed' ? replay(engine, request, reply, state, held.response) : null
+}
+
+function refuseInProgress (engine: Engine, reply: FastifyReply, state: RequestState): FastifyReply {
+  observe(engine.metrics, state, 'conflict', 'info', 'idempotency: original request still in progress')
+  return answer(engine, state, reply, { kind: 'request-in-progress', retryAfter: state.settings.retryAfter })
 }
 
 /** The store handed the key to this request: it executes, holding the key until it settles. */
@@ -156,8 +201,8 @@ function customOf (value: unknown): Fingerprint {
 }
 
 /** Answers from the record (draft §2.6): the original status, replayable headers and body bytes. */
-async function replay (engine: Engine, request: FastifyRequest, reply: FastifyReply, state: RequestState, response: StoredResponse): Promise<FastifyReply> {
-  if (isReference(response)) return await replayReference(engine, request, reply, state, response)
+function replay (engine: Engine, request: FastifyRequest, reply: FastifyReply, state: RequestState, response: StoredResponse): FastifyReply | Promise<FastifyReply> {
+  if (isReference(response)) return replayReference(engine, request, reply, state, response)
   if (response.body === null) {
     observe(engine.metrics, state, 'not_retained', 'info', 'idempotency: completed key whose response was not retained')
     return answer(engine, state, reply, { kind: 'response-not-retained', extensions: { originalStatus: response.statusCode } })

@@ -138,7 +138,7 @@ export function encryptedStore (keyring: Keyring, store: IdempotencyStore): Idem
       const record: StoredRecord | null = await store.get(id)
       return record?.state === 'completed' ? { ...record, response: openResponse(keyring, id, record.response) } : record
     }
-  })
+  }, UNSEALED)
 }
 
 /**
@@ -169,9 +169,14 @@ export function encryptedPrefilter (keyring: Keyring, prefilter: IdempotencyPref
  * bound to it. The Proxy's own target stays empty, so no Proxy invariant ties it to `inner`'s
  * (possibly frozen) properties.
  */
-function decorate<T extends object> (inner: T, overrides: Partial<T>): T {
+const NOTHING_HIDDEN: ReadonlySet<PropertyKey> = new Set()
+/** The store's synchronous twins would write and read in clear: the sealing store has none. */
+const UNSEALED = new Set<PropertyKey>(['sync'])
+
+function decorate<T extends object> (inner: T, overrides: Partial<T>, hidden: ReadonlySet<PropertyKey> = NOTHING_HIDDEN): T {
   const bound = new Map<PropertyKey, { readonly original: unknown, readonly bound: unknown }>()
   const read = (property: PropertyKey): unknown => {
+    if (hidden.has(property)) return undefined
     const value: unknown = Reflect.get(inner, property)
     if (typeof value !== 'function') return value
     if (Object.hasOwn(overrides, property)) return (overrides as Record<PropertyKey, unknown>)[property]
@@ -183,9 +188,10 @@ function decorate<T extends object> (inner: T, overrides: Partial<T>): T {
   }
   return new Proxy(Object.create(null) as T, {
     get: (_target, property) => read(property),
-    has: (_target, property) => Reflect.has(inner, property),
-    ownKeys: () => Reflect.ownKeys(inner),
+    has: (_target, property) => !hidden.has(property) && Reflect.has(inner, property),
+    ownKeys: () => Reflect.ownKeys(inner).filter((property) => !hidden.has(property)),
     getOwnPropertyDescriptor: (_target, property) => {
+      if (hidden.has(property)) return undefined
       const own = Reflect.getOwnPropertyDescriptor(inner, property)
       if (own === undefined) return undefined
       return { value: read(property), writable: false, enumerable: own.enumerable ?? false, configurable: true }

@@ -14,7 +14,7 @@ import { releaseUnsent, rollBackForDepartedClient, settleOwner } from './settle.
 export interface RouteHooks {
   readonly onRequest: (request: FastifyRequest, reply: FastifyReply, done: HookHandlerDoneFunction) => void
   readonly preParsing: ((request: FastifyRequest, reply: FastifyReply, payload: RequestPayload, done: (err: Error | null, payload?: RequestPayload) => void) => void) | null
-  readonly preHandler: (request: FastifyRequest, reply: FastifyReply) => Promise<FastifyReply | undefined>
+  readonly preHandler: (request: FastifyRequest, reply: FastifyReply, done: HookHandlerDoneFunction) => Promise<FastifyReply | undefined> | undefined
   readonly onError: (request: FastifyRequest, reply: FastifyReply, error: FastifyError, done: () => void) => void
   readonly onResponse: (request: FastifyRequest, reply: FastifyReply, done: HookHandlerDoneFunction) => void
   /** Atomic mode only: lease mode has nothing to do when a socket times out (lib/lifecycle.ts). */
@@ -51,10 +51,20 @@ export function routeHooks (engine: Engine, settings: RouteSettings, methods: Re
     done(null, hashingStream(payload, state.rawHash))
   }
 
-  async function idempotencyClaim (request: FastifyRequest, reply: FastifyReply): Promise<FastifyReply | undefined> {
+  // Callback style when the claim is synchronous (lib/claim.ts): the handler runs (done()), or the
+  // request was answered (no done(): the chain stops there). Otherwise the claim's promise, which
+  // Fastify awaits: it resolves with undefined (run) or with the reply (answered, once sent).
+  function idempotencyClaim (request: FastifyRequest, reply: FastifyReply, done: HookHandlerDoneFunction): Promise<FastifyReply | undefined> | undefined {
     const state = stateOf(request)
-    if (state === null) return undefined
-    return claimKey(engine, request, reply, state)
+    if (state === null) {
+      done()
+      return undefined
+    }
+    const claimed = claimKey(engine, request, reply, state)
+    if (claimed === undefined) done()
+    // The reply is a thenable too: answered synchronously, it is returned as itself.
+    else if (claimed !== reply && isThenable(claimed)) return claimed
+    return undefined
   }
 
   // Errors thrown by the handler (or a later hook) release the key: a thrown error is a failure
@@ -124,9 +134,10 @@ export function trackHandler (handler: RouteHandlerMethod): RouteHandlerMethod {
  * onSend, added once for the whole context so it runs before route-level onSend hooks such as
  * @fastify/compress's: what is recorded is the body the handler produced. Only the owner of a key
  * records; replays and the plugin's own problem answers pass through untouched (they must never
- * become a key's outcome). The owner's path returns a promise, so that an answer Fastify or Node
- * then refuses (a header writeHead rejects) is caught by Fastify's hook runner and becomes a 500,
- * as it would without the plugin, instead of an unhandled rejection.
+ * become a key's outcome). The owner's path returns a promise when it has to wait for the store,
+ * so that an answer Fastify or Node then refuses (a header writeHead rejects) is caught by Fastify's
+ * hook runner and becomes a 500, as it would without the plugin, instead of an unhandled rejection;
+ * recorded synchronously, it calls done() within the runner's own try.
  */
 export function createRecordHook (engine: Engine) {
   return function idempotencyRecord (request: FastifyRequest, reply: FastifyReply, payload: unknown, done: (err: Error | null, payload?: unknown) => void): Promise<unknown> | undefined {
@@ -136,8 +147,12 @@ export function createRecordHook (engine: Engine) {
       return undefined
     }
     switch (state.lifecycle.respond()) {
-      case 'settle':
-        return settleOwner(engine, reply, state, payload)
+      case 'settle': {
+        const settled = settleOwner(engine, reply, state, payload)
+        if (settled instanceof Promise) return settled
+        done(null, settled)
+        return undefined
+      }
       case 'duplicate':
         state.log.debug('idempotency: reply.send() called again while the first answer is being recorded; the second is dropped (return reply from an async handler that calls reply.send())')
         // A promise that never settles (a fresh one: reactions on a shared one would pile up forever):

@@ -19,13 +19,29 @@ const COMPLETE_RETRY_DELAYS_MS = [50, 250]
 /**
  * onSend of the request that owns the key (the lifecycle moved it to `settling`): records the
  * response before it leaves (for a stream, before its last byte leaves), or releases the key when
- * the outcome is a failure. Returns the payload to send on. Whatever goes wrong in here (a throwing
- * `record` rule, a bug), the key is released or held, never stranded in progress.
+ * the outcome is a failure. Returns the payload to send on: at once when the store recorded it
+ * synchronously (lib/store.ts, SyncOperations), else a promise of it. Whatever goes wrong in here
+ * (a throwing `record` rule, a bug), the key is released or held, never stranded in progress.
  */
-export async function settleOwner (engine: Engine, reply: FastifyReply, state: RequestState, payload: unknown): Promise<unknown> {
+export function settleOwner (engine: Engine, reply: FastifyReply, state: RequestState, payload: unknown): unknown {
+  let settled: unknown
   try {
-    return await settle(engine, reply, state, payload)
+    settled = settle(engine, reply, state, payload)
   } catch (err) {
+    return settleFailed(engine, state, payload, err)
+  }
+  if (settled instanceof Promise) {
+    return settled.then((sent: unknown) => {
+      state.lifecycle.responded()
+      return sent
+    }, (err: unknown) => settleFailed(engine, state, payload, err))
+  }
+  state.lifecycle.responded()
+  return settled
+}
+
+async function settleFailed (engine: Engine, state: RequestState, payload: unknown, err: unknown): Promise<unknown> {
+  try {
     observe(engine.metrics, state, 'settle_failed', 'error', 'idempotency: unexpected error while settling the response; it is not recorded', err)
     await giveUp(engine, state, 'an unexpected error while settling the response')
     return payload
@@ -34,31 +50,22 @@ export async function settleOwner (engine: Engine, reply: FastifyReply, state: R
   }
 }
 
-async function settle (engine: Engine, reply: FastifyReply, state: RequestState, payload: unknown): Promise<unknown> {
-  if (state.errored) {
-    await giveUp(engine, state, 'the handler failed')
-    return payload
-  }
+/** The payload to send on, or a promise of it; what it cannot do at once it does through promises. */
+function settle (engine: Engine, reply: FastifyReply, state: RequestState, payload: unknown): unknown {
+  if (state.errored) return giveUp(engine, state, 'the handler failed').then(() => payload)
 
   const captured = classifyPayload(payload, reply)
   const sent = captured.kind === 'stream' ? captured.source : payload
   const statusCode = reply.statusCode
-  if (!state.settings.record(statusCode)) {
-    await giveUp(engine, state, `status ${statusCode} is not recorded`)
-    return sent
-  }
-  if (captured.kind === 'unsupported') {
-    await giveUp(engine, state, 'the payload type cannot be recorded')
-    return payload
-  }
+  if (!state.settings.record(statusCode)) return giveUp(engine, state, `status ${statusCode} is not recorded`).then(() => sent)
+  if (captured.kind === 'unsupported') return giveUp(engine, state, 'the payload type cannot be recorded').then(() => payload)
   // Node refuses such a response in writeHead, after onSend, and Fastify then answers 500: the
   // client never receives it, so it must not become the key's outcome.
   let replyHeaders = reply.getHeaders()
   const unsendable = unsendableHeader(replyHeaders)
   if (unsendable !== null) {
     observe(engine.metrics, state, 'not_recorded', 'error', `idempotency: the response has a header Node cannot send (${unsendable}); it is not recorded`)
-    await giveUp(engine, state, 'the response cannot be sent')
-    return sent
+    return giveUp(engine, state, 'the response cannot be sent').then(() => sent)
   }
 
   // A Buffer is replayed with Fastify's default type for bytes; give the original the same one.
@@ -69,21 +76,31 @@ async function settle (engine: Engine, reply: FastifyReply, state: RequestState,
   const headers = pickReplayHeaders(replyHeaders, state.settings.replayHeaders)
   const limit = state.settings.maxResponseBytes
   const reference = referenceOf(engine, state, statusCode, headers)
-  if (state.lifecycle.transactional) return await commitThenSend(engine, reply, state, captured, headers, reference)
-  if (reference !== null) {
-    // The body is sent as the handler produced it (a stream streams); only the reference is kept.
-    await record(engine, state, reference)
-    return sent
-  }
-  if (captured.kind === 'bytes') {
-    const body = captured.body.length > limit ? null : captured.body
-    await record(engine, state, { statusCode, headers, body })
-    return payload
-  }
+  if (state.lifecycle.transactional) return commitThenSend(engine, reply, state, captured, headers, reference)
+  // A reference: the body is sent as the handler produced it (a stream streams); only the reference is kept.
+  if (reference !== null) return recordThen(engine, state, reference, sent)
+  if (captured.kind === 'bytes') return recordThen(engine, state, { statusCode, headers, body: captured.body.length > limit ? null : captured.body }, payload)
   return captureStream(captured.source, limit, {
     onEnd: (body) => record(engine, state, { statusCode, headers, body }),
     onError: () => giveUp(engine, state, 'the response stream failed')
   })
+}
+
+/** Records `response`, then hands `sent` back: at once through the store's synchronous complete, else once record() is done. */
+function recordThen (engine: Engine, state: RequestState, response: StoredResponse, sent: unknown): unknown {
+  const sync = engine.store.sync
+  if (sync !== undefined) {
+    const since = Date.now()
+    let completed: boolean | null = null
+    // A throw is treated as a failed attempt: record() below tries again, with its delays.
+    try { completed = sync.complete(state.lifecycle.lease as Lease, response, state.settings.ttl) } catch {}
+    if (completed !== null) {
+      recorded(engine, state, completed, response, since)
+      state.lifecycle.settled()
+      return sent
+    }
+  }
+  return record(engine, state, response).then(() => sent)
 }
 
 /** The first header of `headers` that Node's writeHead would refuse, described, or null. */
@@ -203,12 +220,7 @@ async function record (engine: Engine, state: RequestState, response: StoredResp
     try {
       const since = Date.now()
       const completed = await withTimeout('complete', state.settings.storeTimeout, () => engine.store.complete(lease, response, state.settings.ttl))
-      if (completed) {
-        observe(engine.metrics, state, 'recorded', 'debug', 'idempotency: response recorded')
-        if (state.context !== null) rememberCompleted(engine, state, state.context.fingerprint, response, state.settings.ttl, since)
-      } else {
-        observe(engine.metrics, state, 'lease_lost', 'warn', 'idempotency: the key was taken over while this request ran; its response was not recorded')
-      }
+      recorded(engine, state, completed, response, since)
       break
     } catch (err) {
       const delay = COMPLETE_RETRY_DELAYS_MS[attempt]
@@ -221,6 +233,16 @@ async function record (engine: Engine, state: RequestState, response: StoredResp
     }
   }
   state.lifecycle.settled()
+}
+
+/** What the store answered to complete (`since`: when it was asked, for the pre-filter copy's retention). */
+function recorded (engine: Engine, state: RequestState, completed: boolean, response: StoredResponse, since: number): void {
+  if (completed) {
+    observe(engine.metrics, state, 'recorded', 'debug', 'idempotency: response recorded')
+    if (state.context !== null) rememberCompleted(engine, state, state.context.fingerprint, response, state.settings.ttl, since)
+  } else {
+    observe(engine.metrics, state, 'lease_lost', 'warn', 'idempotency: the key was taken over while this request ran; its response was not recorded')
+  }
 }
 
 /**

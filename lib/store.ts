@@ -116,7 +116,24 @@ export type StoredRecord =
   | { readonly state: 'in_progress', readonly fingerprint: Fingerprint, readonly leaseRemainingMs: number }
   | { readonly state: 'completed', readonly fingerprint: Fingerprint, readonly response: StoredResponse }
 
+/**
+ * The synchronous twins of `claim`, `complete` and `release`, for a store whose records live in the
+ * process (the memory store): the plugin then calls them on its hot path without a promise or a
+ * timeout (nothing can hang). Each must do exactly what its asynchronous twin does, and may throw
+ * where that one would reject. A store exposes them as a NON-enumerable property, so an object built
+ * by spreading it (`{ ...store, claim: instrumented }`) does not carry them and the plugin calls
+ * the wrapper's own methods.
+ */
+export interface SyncOperations {
+  claim (request: ClaimRequest): ClaimResult
+  complete (lease: Lease, response: StoredResponse, ttlMs: number): boolean
+  release (lease: Lease): boolean
+}
+
 export interface IdempotencyStore {
+  /** Optional: see {@link SyncOperations}. */
+  readonly sync?: SyncOperations
+
   /**
    * Decides who executes. Atomically, with respect to every other call on the same (scope, key), from
    * any process sharing the store:

@@ -44,14 +44,20 @@ t.test('an item re-added from its own due callback waits a whole delay again', a
   t.equal(runs, 3)
 })
 
-t.test('a schedule holds a timer only while items wait; once emptied it neither wakes the process nor keeps it alive', async (t) => {
+t.test('a schedule keeps the process alive only while items wait, with one timer however many come and go', async (t) => {
   const before = timers()
   const schedule = new Schedule<Item>(10_000, () => {}, true)
   const items = [new Item('x'), new Item('y')]
   for (const item of items) schedule.add(item)
-  t.equal(timers(), before + 1, 'one timer for both items')
+  t.equal(timers(), before + 1, 'one timer, holding the process, for both items')
   schedule.remove(items[0] as Item)
-  t.equal(timers(), before + 1, 'still one while an item waits')
+  t.equal(timers(), before + 1, 'still holding it while an item waits')
   schedule.remove(items[1] as Item)
-  t.equal(timers(), before, 'none once empty')
+  t.equal(timers(), before, 'no longer once empty')
+  schedule.add(items[0] as Item)
+  t.equal(timers(), before + 1, 'the same timer holds it again')
+  schedule.remove(items[0] as Item)
+  const lone = new Schedule<Item>(10_000, () => {}, false)
+  lone.add(new Item('z'))
+  t.equal(timers(), before, 'a schedule made not to keep the process alive never does')
 })
