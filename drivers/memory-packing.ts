@@ -14,30 +14,40 @@ const INTERNED_HEADER_SETS = 1024
 export class Slabs {
   #slab = Buffer.allocUnsafeSlow(SLAB_SIZE)
   #offset = 0
+  #last: Buffer = this.#slab
+
+  /** The buffer the last `pack` wrote to (a slab, or a large record's own). */
+  get last (): Buffer { return this.#last }
 
   /**
-   * Copies `parts` into fresh memory and returns it as one Buffer. Small records share slabs:
-   * records written together expire together (one ttl), so a slab is freed by the GC soon after
-   * its last record goes, and copying never aliases the caller's (possibly pooled) buffers.
+   * Copies `first` then `second` into fresh memory and returns their offset in `last`. Small
+   * records share slabs: records written together expire together (one ttl), so a slab is freed by
+   * the GC soon after its last record goes, and copying never aliases the caller's (possibly
+   * pooled) buffers. The caller keeps (buffer, offset, length) rather than a view: a view is an
+   * object of its own per record.
    */
-  pack (first: Buffer, second: Buffer | null): Buffer {
+  pack (first: Buffer, second: Buffer | null): number {
     const length = first.length + (second?.length ?? 0)
     let target: Buffer
+    let offset: number
     if (length > SLAB_RECORD_LIMIT) {
       target = Buffer.allocUnsafeSlow(length)
+      offset = 0
     } else {
       if (this.#offset + length > SLAB_SIZE) {
         this.#slab = Buffer.allocUnsafeSlow(SLAB_SIZE)
         this.#offset = 0
       }
-      target = this.#slab.subarray(this.#offset, this.#offset + length)
+      target = this.#slab
+      offset = this.#offset
       // 8-byte alignment keeps views cheap to create and compare.
       this.#offset += (length + 7) & ~7
     }
     // TypedArray#set: a builtin, cheaper per call than Buffer#copy for these small copies.
-    target.set(first, 0)
-    if (second !== null) target.set(second, first.length)
-    return target
+    target.set(first, offset)
+    if (second !== null) target.set(second, offset + first.length)
+    this.#last = target
+    return offset
   }
 }
 

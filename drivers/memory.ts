@@ -1,6 +1,7 @@
 import { randomUUID } from 'node:crypto'
 import { fingerprintsEqual } from '../lib/fingerprint.js'
 import { HeaderSets, Slabs } from './memory-packing.js'
+import { compactKey, Records } from './memory-records.js'
 import { InvalidOptionError } from '../lib/errors.js'
 import { integerOption, MAX_TIMER_MS } from '../lib/validate.js'
 import type { InspectedRecord, RecoveryTools } from '../lib/admin.js'
@@ -38,6 +39,8 @@ export class MemoryStoreFullError extends Error {
 }
 
 interface Entry {
+  readonly scope: string
+  readonly key: string
   state: 'in_progress' | 'completed'
   /** In progress: the request's fingerprint. Completed: null, its digest is packed with the body. */
   fingerprint: Fingerprint | null
@@ -45,8 +48,14 @@ interface Entry {
   token: string
   leaseUntil: number
   expiresAt: number
-  /** Completed: the digest bytes followed by the body bytes (see memory-packing.ts). */
-  packed: Buffer | null
+  /**
+   * Completed: the slab holding the digest bytes followed by the body bytes, at `offset`, `length`
+   * bytes in all (see memory-packing.ts). Views on it are made when a record is read, so a record
+   * holds no Buffer object of its own.
+   */
+  slab: Buffer | null
+  offset: number
+  length: number
   digestLength: number
   /** Completed: false when the body was not retained (over maxResponseBytes). */
   retained: boolean
@@ -83,7 +92,7 @@ export function memoryStore (options: MemoryStoreOptions = {}): MemoryStore {
   const now = options.now ?? Date.now
   if (typeof now !== 'function') throw new InvalidOptionError('memoryStore option "now"', 'a function returning ms since the epoch', now)
 
-  const entries = new Map<string, Entry>()
+  const entries = new Records<Entry>()
   const slabs = new Slabs()
   const headerSets = new HeaderSets()
   let bytes = 0
@@ -94,27 +103,22 @@ export function memoryStore (options: MemoryStoreOptions = {}): MemoryStore {
   const timer = purgeInterval > 0 ? setInterval(sweep, purgeInterval) : null
   timer?.unref()
 
-  function idOf (scope: string, key: string): string {
-    // Length-prefixed, so no (scope, key) pair can spell another pair's id.
-    return `${scope.length}:${scope}${key}`
-  }
-
-  function live (id: string, at: number): Entry | undefined {
-    const entry = entries.get(id)
+  function live (scope: string, key: string, at: number): Entry | undefined {
+    const entry = entries.get(scope, key)
     if (entry !== undefined && entry.expiresAt <= at) {
-      drop(id, entry)
+      drop(entry)
       return undefined
     }
     return entry
   }
 
-  function drop (id: string, entry: Entry): void {
-    entries.delete(id)
+  function drop (entry: Entry): void {
+    entries.delete(entry)
     bytes -= entry.bytes
   }
 
   function owned (lease: Lease, at: number): Entry | undefined {
-    const entry = live(idOf(lease.scope, lease.key), at)
+    const entry = live(lease.scope, lease.key, at)
     return entry !== undefined && entry.state === 'in_progress' && entry.token === lease.token ? entry : undefined
   }
 
@@ -131,10 +135,10 @@ export function memoryStore (options: MemoryStoreOptions = {}): MemoryStore {
 
   function purge (limit: number, at: number): number {
     let purged = 0
-    for (const [id, entry] of entries) {
+    for (const entry of entries) {
       if (purged >= limit) break
       if (entry.expiresAt <= at) {
-        drop(id, entry)
+        drop(entry)
         purged++
       }
     }
@@ -146,15 +150,14 @@ export function memoryStore (options: MemoryStoreOptions = {}): MemoryStore {
   function sweep (): void {
     if (sweeping || closed) return
     sweeping = true
-    const iterator = entries.entries()
+    const iterator = entries[Symbol.iterator]()
     const step = (): void => {
       if (closed) { sweeping = false; return }
       const at = now()
       for (let i = 0; i < SWEEP_SLICE; i++) {
         const next = iterator.next()
         if (next.done === true) { sweeping = false; return }
-        const [id, entry] = next.value
-        if (entry.expiresAt <= at) drop(id, entry)
+        if (next.value.expiresAt <= at) drop(next.value)
       }
       setImmediate(step).unref()
     }
@@ -181,17 +184,17 @@ export function memoryStore (options: MemoryStoreOptions = {}): MemoryStore {
     async findStuck (olderThanMs, limit) {
       const at = now()
       const found: Array<RecordId & { token: string }> = []
-      for (const [id, entry] of entries) {
+      for (const entry of entries) {
         if (found.length >= limit) break
         if (entry.state === 'in_progress' && entry.expiresAt > at && entry.leaseUntil + olderThanMs <= at) {
-          found.push({ ...keyOf(id), token: entry.token })
+          found.push({ scope: entry.scope, key: entry.key, token: entry.token })
         }
       }
       return found
     },
     async acquire (candidate, olderThanMs, leaseMs) {
       const at = now()
-      const entry = live(idOf(candidate.scope, candidate.key), at)
+      const entry = live(candidate.scope, candidate.key, at)
       if (entry === undefined || entry.state !== 'in_progress' || entry.token !== candidate.token || entry.leaseUntil + olderThanMs > at) return null
       entry.token = randomUUID()
       entry.leaseUntil = at + leaseMs
@@ -225,40 +228,36 @@ export function memoryStore (options: MemoryStoreOptions = {}): MemoryStore {
     }
   }
 
-  /** Record ids are `${scope.length}:${scope}${key}`; this splits one back. */
-  function keyOf (id: string): RecordId {
-    const colon = id.indexOf(':')
-    const length = Number(id.slice(0, colon))
-    return { scope: id.slice(colon + 1, colon + 1 + length), key: id.slice(colon + 1 + length) }
-  }
-
   // Every operation runs synchronously within one call; the plugin calls these directly (lib/store.ts).
   function claim (request: ClaimRequest): ClaimResult {
     const at = now()
-    const id = idOf(request.scope, request.key)
-    const entry = live(id, at)
+    const entry = live(request.scope, request.key, at)
     if (entry === undefined) {
       makeRoom(at)
       const token = randomUUID()
       const created: Entry = {
+        scope: request.scope,
+        key: compactKey(request.key),
         state: 'in_progress',
         fingerprint: request.fingerprint,
         algorithm: request.fingerprint.algorithm,
         token,
         leaseUntil: at + request.leaseMs,
         expiresAt: at + request.ttlMs,
-        packed: null,
+        slab: null,
+        offset: 0,
+        length: 0,
         digestLength: 0,
         retained: false,
         statusCode: 0,
         headers: null,
-        bytes: ENTRY_OVERHEAD + id.length * 2,
+        bytes: ENTRY_OVERHEAD + (request.scope.length + request.key.length) * 2,
         steps: null,
         indeterminate: false,
         createdAt: at
       }
       outliveLease(created)
-      entries.set(id, created)
+      entries.add(created)
       bytes += created.bytes
       return { outcome: 'acquired', lease: { scope: request.scope, key: request.key, token }, takeover: false }
     }
@@ -281,7 +280,9 @@ export function memoryStore (options: MemoryStoreOptions = {}): MemoryStore {
     const entry = owned(lease, at)
     if (entry === undefined) return false
     const digest = (entry.fingerprint as Fingerprint).digest
-    entry.packed = slabs.pack(digest, response.body)
+    entry.offset = slabs.pack(digest, response.body)
+    entry.slab = slabs.last
+    entry.length = digest.length + (response.body?.length ?? 0)
     entry.digestLength = digest.length
     entry.retained = response.body !== null
     entry.statusCode = response.statusCode
@@ -289,7 +290,7 @@ export function memoryStore (options: MemoryStoreOptions = {}): MemoryStore {
     entry.fingerprint = null
     entry.token = ''
     dropSteps(entry)
-    const size = entry.packed.length + headerBytes(response.headers)
+    const size = entry.length + headerBytes(response.headers)
     entry.state = 'completed'
     entry.expiresAt = at + ttlMs
     entry.bytes += size
@@ -300,7 +301,7 @@ export function memoryStore (options: MemoryStoreOptions = {}): MemoryStore {
   function release (lease: Lease): boolean {
     const entry = owned(lease, now())
     if (entry === undefined) return false
-    drop(idOf(lease.scope, lease.key), entry)
+    drop(entry)
     return true
   }
 
@@ -328,7 +329,7 @@ export function memoryStore (options: MemoryStoreOptions = {}): MemoryStore {
 
     async get (id: RecordId): Promise<StoredRecord | null> {
       const at = now()
-      const entry = live(idOf(id.scope, id.key), at)
+      const entry = live(id.scope, id.key, at)
       return entry === undefined ? null : recordOf(entry, at)
     },
 
@@ -366,7 +367,7 @@ export function memoryStore (options: MemoryStoreOptions = {}): MemoryStore {
 
     async inspect (id: RecordId): Promise<InspectedRecord | null> {
       const at = now()
-      const entry = live(idOf(id.scope, id.key), at)
+      const entry = live(id.scope, id.key, at)
       return entry === undefined ? null : inspected(id, entry, at)
     },
 
@@ -374,17 +375,16 @@ export function memoryStore (options: MemoryStoreOptions = {}): MemoryStore {
       const most = integerOption('memoryStore.listHeld(limit)', limit, 100, 1, 100_000)
       const at = now()
       const held: InspectedRecord[] = []
-      for (const [id, entry] of entries) {
-        if (entry.state === 'in_progress' && entry.indeterminate) held.push(inspected(keyOf(id), entry, at))
+      for (const entry of entries) {
+        if (entry.state === 'in_progress' && entry.indeterminate) held.push(inspected(entry, entry, at))
       }
       return held.sort((a, b) => a.createdAt.getTime() - b.createdAt.getTime()).slice(0, most)
     },
 
     async forceRelease (id: RecordId): Promise<boolean> {
-      const recordId = idOf(id.scope, id.key)
-      const entry = live(recordId, now())
+      const entry = live(id.scope, id.key, now())
       if (entry === undefined || entry.state !== 'in_progress') return false
-      drop(recordId, entry)
+      drop(entry)
       return true
     },
 
@@ -434,14 +434,14 @@ function inspected (id: RecordId, entry: Entry, at: number): InspectedRecord {
 }
 
 function fingerprintOf (entry: Entry): Fingerprint {
-  return entry.fingerprint ?? { algorithm: entry.algorithm, digest: (entry.packed as Buffer).subarray(0, entry.digestLength) }
+  return entry.fingerprint ?? { algorithm: entry.algorithm, digest: (entry.slab as Buffer).subarray(entry.offset, entry.offset + entry.digestLength) }
 }
 
 function responseOf (entry: Entry): StoredResponse {
   return {
     statusCode: entry.statusCode,
     headers: entry.headers ?? {},
-    body: entry.retained ? (entry.packed as Buffer).subarray(entry.digestLength) : null
+    body: entry.retained ? (entry.slab as Buffer).subarray(entry.offset + entry.digestLength, entry.offset + entry.length) : null
   }
 }
 
