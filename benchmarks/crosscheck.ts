@@ -12,7 +12,7 @@
  * execution per fresh key, none on replays, one per key in a storm.
  *
  * A developer tool, not part of `npm test` (CI has no wrk); without wrk it says how to install it
- * and exits with status 2. Writes benchmarks/results/crosscheck.json (crosscheck.quick.json with
+ * and exits with status 2 (WRK=/path/to/wrk names another binary). Writes benchmarks/results/crosscheck.json (crosscheck.quick.json with
  * --quick). Starts a throwaway PostgreSQL and Redis unless DATABASE_URL and REDIS_URL are set.
  */
 import { spawn, spawnSync, type ChildProcess } from 'node:child_process'
@@ -54,9 +54,11 @@ const REPLAY_KEYS = 100
 const TOLERANCE = 0.15
 const OUT = args.out ?? path.join(RESULTS, QUICK ? 'crosscheck.quick.json' : 'crosscheck.json')
 
-const wrk = spawnSync('wrk', ['--version'], { encoding: 'utf8' })
+/** The wrk binary: WRK, or wrk on the PATH. */
+const WRK = process.env.WRK ?? 'wrk'
+const wrk = spawnSync(WRK, ['--version'], { encoding: 'utf8' })
 if (wrk.error !== undefined) {
-  process.stderr.write('[crosscheck] wrk is not installed (it is not in CI either): the crosscheck needs it as its load generator.\n' +
+  process.stderr.write(`[crosscheck] wrk is not installed (${WRK}: ${(wrk.error as NodeJS.ErrnoException).code ?? wrk.error.message}; it is not in CI either): the crosscheck needs it as its load generator.\n` +
     '[crosscheck] Install it with `apt-get install -y wrk` (Debian/Ubuntu) and run `npm run bench:crosscheck` again.\n')
   process.exit(2)
 }
@@ -122,7 +124,7 @@ async function executions (url: string): Promise<number> {
 /** One wrk run: its summary line (crosscheck.lua's done()). */
 function runWrk (url: string, mode: Mode, tag: string, seconds: number, connections: number): Promise<Omit<Measurement, 'round' | 'scenario' | 'setup' | 'executions' | 'problems'>> {
   return new Promise((resolve, reject) => {
-    const child = spawn('wrk', ['-t', String(THREADS), '-c', String(connections), '-d', `${seconds}s`, '--timeout', '10s', '-s', LUA, `${url}/pay`], {
+    const child = spawn(WRK, ['-t', String(THREADS), '-c', String(connections), '-d', `${seconds}s`, '--timeout', '10s', '-s', LUA, `${url}/pay`], {
       env: { ...process.env, CROSSCHECK_MODE: mode, CROSSCHECK_TAG: tag, CROSSCHECK_KEYS: String(mode === 'storm' ? STORM.keys : REPLAY_KEYS), CROSSCHECK_BODY: BODY },
       stdio: ['ignore', 'pipe', 'inherit']
     })

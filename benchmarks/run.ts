@@ -66,7 +66,7 @@ const CONFIG = {
   main: { durationSeconds: QUICK ? 0.4 : 4, warmupSeconds: QUICK ? 0.15 : 1 } satisfies Timing,
   scale: { durationSeconds: QUICK ? 0.25 : 2, warmupSeconds: QUICK ? 0.1 : 0.5 } satisfies Timing,
   poolMax: 10,
-  replayKeys: 100,
+  replayKeys: QUICK ? 20 : 100,
   /** The sequential probe: requests sent first (connections' first statements prepare), then counted. */
   probe: { warmup: QUICK ? 3 : 10, requests: QUICK ? 10 : 40 }
 } as const

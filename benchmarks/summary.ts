@@ -103,7 +103,10 @@ export function addRatios (runs: Run[]): void {
     const others = runs.filter((r) => r.scenario === run.scenario && r.round === run.round && r !== run)
     for (const other of others) run.ratioTo[other.setup] = ratio(run.requestsPerSecond, other.requestsPerSecond)
     const bare = others.find((r) => r.setup === 'bare')
-    if (bare !== undefined) {
+    if (run.setup === 'bare') {
+      run.ratioToBare = 1
+      run.latencyRatioToBare = { p50: 1, p99: 1, p99_9: 1 }
+    } else if (bare !== undefined) {
       run.ratioToBare = run.ratioTo.bare ?? null
       run.latencyRatioToBare = {
         p50: ratio(run.latencyUs.p50, bare.latencyUs.p50),
