@@ -365,17 +365,19 @@ function peakRssMiB (pid: number): number {
   return match === null ? NaN : Math.round(Number(match[1]) / 1024)
 }
 
-/** Requests one at a time: the exact statements and round trips of one request (counting.ts). */
-async function probe (instance: Instance, scenario: Scenario, tag: string): Promise<Counts | null> {
+/** Requests one at a time: the exact statements and round trips of one request (counting.ts); statuses other than 2xx. */
+async function probe (instance: Instance, scenario: Scenario, tag: string): Promise<{ counts: Counts | null, unexpected: number[] }> {
   const key = scenario.probeKey
-  if (key === undefined || !COUNTED.has(instance.setup)) return null
-  for (let i = 0; i < CONFIG.probe.warmup; i++) await post(instance.url, key(i, tag))
-  const before = await stats(instance.url)
-  for (let i = CONFIG.probe.warmup; i < CONFIG.probe.warmup + CONFIG.probe.requests; i++) {
+  const unexpected: number[] = []
+  if (key === undefined || !COUNTED.has(instance.setup)) return { counts: null, unexpected }
+  const send = async (i: number): Promise<void> => {
     const status = await post(instance.url, key(i, tag))
-    if (status < 200 || status >= 300) throw new Error(`${scenario.name} ${instance.setup}: the probe's request answered ${status}`)
+    if (status < 200 || status >= 300) unexpected.push(status)
   }
-  return countsBetween(before, await stats(instance.url))
+  for (let i = 0; i < CONFIG.probe.warmup; i++) await send(i)
+  const before = await stats(instance.url)
+  for (let i = CONFIG.probe.warmup; i < CONFIG.probe.warmup + CONFIG.probe.requests; i++) await send(i)
+  return { counts: countsBetween(before, await stats(instance.url)), unexpected }
 }
 
 async function measure (scenario: Scenario, instance: Instance, round: number): Promise<Run> {
@@ -426,7 +428,9 @@ async function measure (scenario: Scenario, instance: Instance, round: number): 
     warnings: []
   }
   // After the load's figures are taken: the probe's requests are no part of them.
-  run.probe = await probe(instance, scenario, tag)
+  const probed = await probe(instance, scenario, tag)
+  run.probe = probed.counts
+  if (probed.unexpected.length > 0) run.problems.push(`the sequential probe's requests answered ${probed.unexpected.join(', ')}`)
   const allowed = new Set(scenario.allowedNon2xx ?? [])
   const unexpected = Object.entries(run.statusCodes).some(([code, count]) => count > 0 && !code.startsWith('2') && !allowed.has(Number(code)))
   if (run.latencyUs.samples < run.requests) run.problems.push(`${run.latencyUs.samples} latency samples for ${run.requests} requests`)
