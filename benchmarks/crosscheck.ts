@@ -11,7 +11,10 @@
  * Every measurement is also checked: no socket error, no status ≥ 400 (but a storm's 409s), one
  * execution per fresh key, none on replays, one per key in a storm.
  *
- * A developer tool, not part of `npm test` (CI has no wrk); without wrk it says how to install it
+ * --quick: 1 round of 1 s loads, one server per setup serving its scenarios in turn (what
+ * test/benchmarks.test.ts runs when wrk is installed; its figures only show that it runs).
+ *
+ * A developer tool, not part of `npm test`'s figures (CI has no wrk); without wrk it says how to install it
  * and exits with status 2 (WRK=/path/to/wrk names another binary). Writes benchmarks/results/crosscheck.json (crosscheck.quick.json with
  * --quick). Starts a throwaway PostgreSQL and Redis unless DATABASE_URL and REDIS_URL are set.
  */
@@ -43,7 +46,7 @@ const { values: args } = parseArgs({
   }
 })
 const QUICK = args.quick === true
-const ROUNDS = Number(args.rounds ?? (QUICK ? 1 : 3))
+const ROUNDS = QUICK ? 1 : Number(args.rounds ?? 3)
 /** wrk takes whole seconds. */
 const SECONDS = Number(args.duration ?? (QUICK ? 1 : 4))
 const WARMUP_SECONDS = QUICK ? 0 : 1
@@ -156,36 +159,67 @@ async function completeReplayKeys (url: string, tag: string): Promise<void> {
   }
 }
 
-async function measure (round: number, scenario: Mode, setup: string): Promise<Measurement> {
+type Server = Awaited<ReturnType<typeof serve>>
+
+async function measure (round: number, scenario: Mode, setup: string, server: Server): Promise<Measurement> {
   await truncateBenchSchema(admin, SCHEMA)
-  const server = await serve(setup)
-  try {
-    const tag = randomBytes(4).toString('hex')
-    const connections = scenario === 'storm' ? STORM.connections : CONNECTIONS
-    if (scenario === 'replay') await completeReplayKeys(server.url, tag)
-    const initial = await executions(server.url)
-    if (WARMUP_SECONDS > 0) await runWrk(server.url, scenario, tag, WARMUP_SECONDS, connections)
-    const before = await executions(server.url)
-    const run = await runWrk(server.url, scenario, tag, SECONDS, connections)
-    const after = await executions(server.url)
-    const problems: string[] = []
-    const { connect, read, write, timeout, status } = run.errors
-    if (connect + read + write + timeout > 0) problems.push(`socket errors ${JSON.stringify(run.errors)}`)
-    if (status > 0 && scenario !== 'storm') problems.push(`${status} responses with a status ≥ 400`)
-    const executed = after - before
-    if (setup !== 'bare') {
-      // wrk stops with requests in flight, which still execute: up to one per connection, twice.
-      if (scenario === 'fresh' && Math.abs(executed - run.requests) > 2 * connections) problems.push(`${executed} executions for ${run.requests} fresh keys`)
-      if (scenario === 'replay' && executed !== 0) problems.push(`${executed} executions during replays`)
-      if (scenario === 'storm' && after - initial !== STORM.keys) problems.push(`${after - initial} executions for ${STORM.keys} keys`)
-    }
-    // The peer's adapter runs the handler for a replay whose client disconnected (peer-glue.ts):
-    // reported, not a failure of the harness.
-    const tolerated = setup.startsWith('peer-') && scenario !== 'fresh'
-    return { round, scenario, setup, ...run, executions: executed, problems: tolerated ? problems.map((p) => `${p} (the peer's adapter: see peer-glue.ts)`) : problems }
-  } finally {
-    await server.stop()
+  const tag = randomBytes(4).toString('hex')
+  const connections = scenario === 'storm' ? STORM.connections : CONNECTIONS
+  if (scenario === 'replay') await completeReplayKeys(server.url, tag)
+  const initial = await executions(server.url)
+  if (WARMUP_SECONDS > 0) await runWrk(server.url, scenario, tag, WARMUP_SECONDS, connections)
+  const before = await executions(server.url)
+  const run = await runWrk(server.url, scenario, tag, SECONDS, connections)
+  const after = await executions(server.url)
+  const problems: string[] = []
+  const { connect, read, write, timeout, status } = run.errors
+  if (connect + read + write + timeout > 0) problems.push(`socket errors ${JSON.stringify(run.errors)}`)
+  if (status > 0 && scenario !== 'storm') problems.push(`${status} responses with a status ≥ 400`)
+  const executed = after - before
+  if (setup !== 'bare') {
+    // wrk stops with requests in flight, which still execute: up to one per connection, twice.
+    if (scenario === 'fresh' && Math.abs(executed - run.requests) > 2 * connections) problems.push(`${executed} executions for ${run.requests} fresh keys`)
+    if (scenario === 'replay' && executed !== 0) problems.push(`${executed} executions during replays`)
+    if (scenario === 'storm' && after - initial !== STORM.keys) problems.push(`${after - initial} executions for ${STORM.keys} keys`)
   }
+  // The peer's adapter runs the handler for a replay whose client disconnected (peer-glue.ts):
+  // reported, not a failure of the harness.
+  const tolerated = setup.startsWith('peer-') && scenario !== 'fresh'
+  return { round, scenario, setup, ...run, executions: executed, problems: tolerated ? problems.map((p) => `${p} (the peer's adapter: see peer-glue.ts)`) : problems }
+}
+
+/**
+ * Every measurement, in order: each round runs every scenario and setup once, each in a new server.
+ * --quick: one server per setup, serving its scenarios in turn (tables emptied in between).
+ */
+async function measureAll (plan: Array<{ scenario: Mode, setups: string[] }>, onMeasured: (m: Measurement) => void): Promise<Measurement[]> {
+  const measurements: Measurement[] = []
+  const once = async (round: number, scenario: Mode, setup: string, server: Server): Promise<void> => {
+    const m = await measure(round, scenario, setup, server)
+    measurements.push(m)
+    onMeasured(m)
+  }
+  if (QUICK) {
+    const setups = [...new Set(plan.flatMap((p) => p.setups))]
+    for (const setup of setups) {
+      const server = await serve(setup)
+      try {
+        for (const { scenario } of plan.filter((p) => p.setups.includes(setup))) await once(1, scenario, setup, server)
+      } finally {
+        await server.stop()
+      }
+    }
+    return measurements
+  }
+  for (let round = 1; round <= ROUNDS; round++) {
+    for (const { scenario, setups } of plan) {
+      for (const setup of setups) {
+        const server = await serve(setup)
+        try { await once(round, scenario, setup, server) } finally { await server.stop() }
+      }
+    }
+  }
+  return measurements
 }
 
 // --- the comparison ------------------------------------------------------------------------------
@@ -233,16 +267,9 @@ try {
     .filter((scenario) => only === undefined || only.includes(scenario))
     .map((scenario) => ({ scenario, setups: setupsOf(scenario) }))
   log(`${wrkVersion}; ${ROUNDS} interleaved round(s), ${WARMUP_SECONDS} s warm-up + ${SECONDS} s per measurement, ${THREADS} threads, ${CONNECTIONS} connections (storm ${STORM.connections})`)
-  const measurements: Measurement[] = []
-  for (let round = 1; round <= ROUNDS; round++) {
-    for (const { scenario, setups } of plan) {
-      for (const setup of setups) {
-        const m = await measure(round, scenario, setup)
-        measurements.push(m)
-        log(`round ${round} ${scenario} ${setup}: ${m.requestsPerSecond.toLocaleString('en-US')} req/s${m.problems.length > 0 ? `  PROBLEM: ${m.problems.join('; ')}` : ''}`)
-      }
-    }
-  }
+  const measurements = await measureAll(plan, (m) => {
+    log(`round ${m.round} ${m.scenario} ${m.setup}: ${m.requestsPerSecond.toLocaleString('en-US')} req/s${m.problems.length > 0 ? `  PROBLEM: ${m.problems.join('; ')}` : ''}`)
+  })
 
   const find = (round: number, scenario: Mode, setup: string): Measurement | undefined => measurements.find((m) => m.round === round && m.scenario === scenario && m.setup === setup)
   const ratios = RATIOS.map((pair) => {

@@ -63,8 +63,8 @@ interface Timing { durationSeconds: number, warmupSeconds: number }
 const CONFIG = {
   rounds: QUICK ? 1 : 3,
   connections: 10,
-  main: { durationSeconds: QUICK ? 0.4 : 4, warmupSeconds: QUICK ? 0.15 : 1 } satisfies Timing,
-  scale: { durationSeconds: QUICK ? 0.25 : 2, warmupSeconds: QUICK ? 0.1 : 0.5 } satisfies Timing,
+  main: { durationSeconds: QUICK ? 0.3 : 4, warmupSeconds: QUICK ? 0.1 : 1 } satisfies Timing,
+  scale: { durationSeconds: QUICK ? 0.2 : 2, warmupSeconds: QUICK ? 0.05 : 0.5 } satisfies Timing,
   poolMax: 10,
   replayKeys: QUICK ? 20 : 100,
   /** The sequential probe: requests sent first (connections' first statements prepare), then counted. */
