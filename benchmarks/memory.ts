@@ -10,7 +10,7 @@
  *      without the requests that made them.
  *    --quick fills 50,000 records and extrapolates to 1,000,000 with what the second half of its
  *    fill cost per record (a rough figure: the full run measures).
- * 2. Steady state: a server under load for 60 s (6 s quick) in its own process, sampled every
+ * 2. Steady state: a server under load for 60 s (5 s quick) in its own process, sampled every
  *    second. With replays of a fixed key set nothing may grow; with fresh keys and a short ttl the
  *    purge must hold the store (and the RSS) level. Prints both series and writes
  *    benchmarks/results/memory.json (memory.quick.json with --quick).
@@ -31,7 +31,7 @@ const { values: args } = parseArgs({ options: { quick: { type: 'boolean', defaul
 const QUICK = args.quick === true
 const FULL_RECORDS = 1_000_000
 const RECORDS = QUICK ? 50_000 : FULL_RECORDS
-const SECONDS = QUICK ? 6 : 60
+const SECONDS = QUICK ? 5 : 60
 /** Issue 14: 1M completed 200-byte records, filled through the plugin, in at most 500 MB of RSS. */
 const TARGET_BYTES = 500e6
 const BODY_BYTES = 200

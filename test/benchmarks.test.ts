@@ -13,6 +13,9 @@ import t from 'tap'
  */
 
 const root = fileURLToPath(new URL('..', import.meta.url))
+// About 90 s on its own (most of it the quick runs' fixed load durations and server starts), more
+// when another test file shares the two cores: room beyond the suite's 120 s per file.
+t.setTimeout(240_000)
 
 function run (script: string, extra: string[], env: NodeJS.ProcessEnv = process.env): Promise<{ code: number | null, output: string }> {
   return new Promise((resolve, reject) => {
