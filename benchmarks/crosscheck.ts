@@ -7,7 +7,8 @@
  * same server processes (benchmarks/server.ts, the same SETUPs, schema and pool), in interleaved
  * rounds (each round runs every scenario and setup once, then the next round), each ratio the
  * median of its per-round ratios. Then compares each ratio with the latest run.ts result in
- * benchmarks/results/ (by its date; --against for another) and flags those more than 15% apart.
+ * benchmarks/results/ (by its date, a full run's for a full crosscheck; --against for another) and
+ * flags those more than 15% apart.
  * Every measurement is also checked: no socket error, no status ≥ 400 (but a storm's 409s), one
  * execution per fresh key, none on replays, one per key in a storm.
  *
@@ -226,7 +227,7 @@ async function measureAll (plan: Array<{ scenario: Mode, setups: string[] }>, on
 
 interface RunTsResult { path: string, date: string, quick: boolean, ratios: Map<string, number> }
 
-/** The latest run.ts result (by its date), or --against. */
+/** The latest run.ts result (by its date; a full one for a full crosscheck), or --against. */
 function latestRunTs (): RunTsResult | null {
   const files = args.against !== undefined
     ? [path.resolve(args.against)]
@@ -245,8 +246,11 @@ function latestRunTs (): RunTsResult | null {
     }
     found.push({ path: file, date: json.date, quick: json.quick === true, ratios })
   }
-  found.sort((a, b) => b.date.localeCompare(a.date))
-  return found[0] ?? null
+  // A full crosscheck is compared with a full run when there is one, not with a later quick one.
+  const comparable = QUICK ? found : found.filter((r) => !r.quick)
+  const candidates = comparable.length > 0 ? comparable : found
+  candidates.sort((a, b) => b.date.localeCompare(a.date))
+  return candidates[0] ?? null
 }
 
 function pad (rows: string[][]): string {
