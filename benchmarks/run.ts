@@ -344,6 +344,22 @@ async function stats (url: string): Promise<Stats> {
   return { ...body, latencyUs: { samples, p50: p50 ?? NaN, p99: p99 ?? NaN, p99_9: p99_9 ?? NaN } }
 }
 
+/**
+ * /stats once the server has gone quiet: the requests a load left in flight when it stopped still
+ * run (and reach the backends) after autocannon has returned. Two polls 25 ms apart that agree, or 2 s.
+ */
+async function settled (url: string): Promise<Stats> {
+  const shape = (s: Stats): string => JSON.stringify([s.executions, s.requests, s.pg, s.redis])
+  let last = await stats(url)
+  for (const deadline = Date.now() + 2000; Date.now() < deadline;) {
+    await new Promise((resolve) => setTimeout(resolve, 25))
+    const next = await stats(url)
+    if (shape(next) === shape(last)) return next
+    last = next
+  }
+  return last
+}
+
 /** What reached the backends between two /stats, per POST /pay answered in between. */
 function countsBetween (before: Stats, after: Stats): Counts {
   const requests = after.requests - before.requests
@@ -370,6 +386,7 @@ async function probe (instance: Instance, scenario: Scenario, tag: string): Prom
   const key = scenario.probeKey
   const unexpected: number[] = []
   if (key === undefined || !COUNTED.has(instance.setup)) return { counts: null, unexpected }
+  await settled(instance.url) // what the load left in flight is no part of the probe
   const send = async (i: number): Promise<void> => {
     const status = await post(instance.url, key(i, tag))
     if (status < 200 || status >= 300) unexpected.push(status)
@@ -389,7 +406,8 @@ async function measure (scenario: Scenario, instance: Instance, round: number): 
   const requests = scenario.requests(tag)
   const initial = await stats(url)
   await load(url, requests, scenario.timing.warmupSeconds, scenario.connections)
-  const before = await stats(url)
+  // The measured window opens on a quiet server: nothing the warm-up started is counted in it.
+  const before = await settled(url)
   await resetLatency(url)
   const result = await load(url, requests, scenario.timing.durationSeconds, scenario.connections)
   const after = await stats(url)
@@ -517,7 +535,7 @@ try {
     `Medians over ${CONFIG.rounds} round(s); each ratio is taken within a round, then its median reported. Main scenarios (fresh, replay, storm): ${timing(CONFIG.main)} per measurement; the scale scenarios (-c1, -c100: connections; -64k, -1m: body size) run ${SCALE_SETUPS.join(', ')} only, ${timing(CONFIG.scale)} per measurement, to keep the whole run near 15 minutes.`,
     'Every setup\'s POST /pay validates its body with the same JSON schema (amount an integer, currency three capital letters, no other property) and answers the same payment (benchmarks/route.ts); the -64k and -1m bodies are padded with incompressible base64 text.',
     'Latency in µs is the server\'s own (process.hrtime.bigint() from an onRequest hook added before any plugin to an onResponse hook, log-linear histogram under 1% error, reset after the warm-up), with its ratio to bare\'s in the same round; "client ms" is autocannon\'s, whole milliseconds, and includes queueing in the load generator.',
-    'PG stmts/req, PG RT/req, Redis cmds/req, Redis RT/req: "load/seq", counted on the client\'s wire (benchmarks/counting.ts): statements are Execute and simple-Query messages (BEGIN and COMMIT included), Redis commands are ioredis sendCommand calls (peer-redis: its storage calls, one node-redis command each); a round trip is a write after a read on one connection. "load" is over the measured load, give or take the requests in flight at its ends (round trips there are a lower bound: concurrent requests\' statements can share a write); "seq" is the probe after it, ' +
+    'PG stmts/req, PG RT/req, Redis cmds/req, Redis RT/req: "load/seq", counted on the client\'s wire (benchmarks/counting.ts): statements are Execute and simple-Query messages (BEGIN and COMMIT included), Redis commands are ioredis sendCommand calls (peer-redis: its storage calls, one node-redis command each); a round trip is a write after a read on one connection. "load" is over the measured load (it starts on a quiet server; the requests in flight when it stops reach the backends uncounted as requests, so it is high by up to one request\'s statements per connection, noticeable only where few requests fit in a run) (round trips there are a lower bound: concurrent requests\' statements can share a write); "seq" is the probe after it, ' +
       `${CONFIG.probe.requests} requests one at a time (exact). The targets' counts use "seq", except the storm's and the replays' 0 statements, which use "load".`,
     `The peer is @node-idempotency/core ${packageVersion('@node-idempotency/core')} with its memory and Redis (node-redis ${packageVersion('redis')}) storage adapters, wired into Fastify by benchmarks/peer-glue.ts, which does what its unpublished Fastify adapter does (it also records replays and its own 409s, as the adapter does); the remaining differences are listed in that file's header.`,
     'Same-backend pairs: memory vs peer-memory (both in-process maps), and pg-redis vs peer-redis, the closest pair but not the same backend: peer-redis keeps everything in Redis (SET NX, then SET), where pg-redis keeps the records in PostgreSQL behind a Redis pre-filter. The peer\'s PostgreSQL adapter is not on the registry, so pg-lease and pg-atomic have no same-backend peer.',
