@@ -2,12 +2,15 @@
 --   CROSSCHECK_MODE  fresh: a new key per request; replay: cycle over CROSSCHECK_KEYS keys completed
 --                    beforehand ("r-<i>-<tag>"); storm: cycle over CROSSCHECK_KEYS keys ("s-<i>-<tag>")
 --   CROSSCHECK_TAG   unique to the measurement, so that no key is ever sent to two of them
+--   CROSSCHECK_RUN   unique to the wrk run: a warm-up and the measured load that follows it share
+--                    the tag (the replay keys, the storm's keys) but never a fresh key
 --   CROSSCHECK_BODY  the JSON request body
 -- Keys are RFC 8941 sf-strings (quoted), as the plugin requires. done() prints one line,
 -- "CROSSCHECK {json}", that crosscheck.ts reads.
 
 local mode = os.getenv("CROSSCHECK_MODE") or "fresh"
 local tag = os.getenv("CROSSCHECK_TAG") or "t"
+local run = os.getenv("CROSSCHECK_RUN") or "0"
 local keys = tonumber(os.getenv("CROSSCHECK_KEYS") or "100")
 local body = os.getenv("CROSSCHECK_BODY") or "{}"
 
@@ -25,7 +28,7 @@ function request()
   counter = counter + 1
   local n = id or 0
   if mode == "fresh" then
-    headers["Idempotency-Key"] = '"w-' .. tag .. '-' .. n .. '-' .. counter .. '"'
+    headers["Idempotency-Key"] = '"w-' .. tag .. '-' .. run .. '-' .. n .. '-' .. counter .. '"'
   elseif mode == "replay" then
     -- Threads start apart in the cycle, so that they do not ask for the same key at once.
     headers["Idempotency-Key"] = '"r-' .. ((counter + n * 37) % keys) .. '-' .. tag .. '"'

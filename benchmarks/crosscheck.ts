@@ -125,11 +125,14 @@ async function executions (url: string): Promise<number> {
   return ((await (await fetch(`${url}/stats`)).json()) as { executions: number }).executions
 }
 
+/** Numbers the wrk runs: each run's fresh keys are its own (crosscheck.lua). */
+let wrkRuns = 0
+
 /** One wrk run: its summary line (crosscheck.lua's done()). */
 function runWrk (url: string, mode: Mode, tag: string, seconds: number, connections: number): Promise<Omit<Measurement, 'round' | 'scenario' | 'setup' | 'executions' | 'problems'>> {
   return new Promise((resolve, reject) => {
     const child = spawn(WRK, ['-t', String(THREADS), '-c', String(connections), '-d', `${seconds}s`, '--timeout', '10s', '-s', LUA, `${url}/pay`], {
-      env: { ...process.env, CROSSCHECK_MODE: mode, CROSSCHECK_TAG: tag, CROSSCHECK_KEYS: String(mode === 'storm' ? STORM.keys : REPLAY_KEYS), CROSSCHECK_BODY: BODY },
+      env: { ...process.env, CROSSCHECK_MODE: mode, CROSSCHECK_TAG: tag, CROSSCHECK_RUN: String(wrkRuns++), CROSSCHECK_KEYS: String(mode === 'storm' ? STORM.keys : REPLAY_KEYS), CROSSCHECK_BODY: BODY },
       stdio: ['ignore', 'pipe', 'inherit']
     })
     children.add(child)
