@@ -1,19 +1,42 @@
 /**
- * The peer, wired into Fastify: `@node-idempotency/core` through its public API only (its Fastify
- * adapter, @node-idempotency/fastify, is not on the registry). Modelled on that adapter's source
- * (packages/plugin-fastify/src/idempotent-fastify.ts in mahendraHegde/node-idempotency), minimal:
+ * The peer, wired into Fastify: `@node-idempotency/core` through its public API only. Its own
+ * Fastify adapter, @node-idempotency/fastify 1.0.7, is not on the registry; this glue does what that
+ * adapter does (packages/plugin-fastify/src/idempotent-fastify.ts in mahendraHegde/node-idempotency
+ * at 622b33f, read, not copied), behaviour for behaviour, including what it gets wrong:
  *
  * - preHandler: `Idempotency.onRequest()`. A returned response is a replay: its recorded status,
- *   its recorded content-type and `Idempotent-Replayed: true`, then its body. An IdempotencyError
- *   becomes 400 (key too long / missing), 409 (in progress, with Retry-After: 1, as the adapter) or
- *   422 (fingerprint mismatch), answered with its code. Anything else propagates (500).
- * - onSend: `Idempotency.onResponse()` records the serialised payload with its status and
- *   content-type (< 400 as `body`, otherwise as `error`, as the adapter does).
+ *   its recorded Content-Type and `Idempotent-Replayed: true`, then its body (or its error), sent
+ *   and awaited (the reply is a thenable: the hook resolves once the response has been written). An
+ *   IdempotencyError is sent as it is with the adapter's status map (@node-idempotency/shared:
+ *   400 key too long / missing, 409 in progress with `Retry-After: 1`, 422 fingerprint mismatch),
+ *   so Fastify's default error handler serialises it. Any other error is swallowed and the request
+ *   goes on to the handler, unprotected (the adapter's fail-open).
+ * - onSend: `Idempotency.onResponse()` on EVERY response, as the adapter does: the handler's, and
+ *   also the replays and the 409/422 the preHandler answered itself (each an extra fingerprint and
+ *   an extra store write; a 409 overwrites the in-progress marker as if the key had completed).
+ *   Status < 400 is recorded as `body`, otherwise as `error`, with the status and Content-Type.
  *
- * One departure from the adapter, in the peer's favour: onSend records only responses the handler
- * produced. The adapter also records the replays and the errors it answered itself (an extra store
- * write per replay, and a 409 overwriting the in-progress marker as if complete); skipping them
- * costs the peer nothing and changes none of its core's semantics.
+ * What the adapter does that this glue reproduces and run.ts reports (warnings, not failures):
+ * - A replay whose client disconnects before it is written runs the handler: the preHandler awaits
+ *   the reply, which resolves on a premature close too, and the reply is then not `sent`, so
+ *   Fastify goes on to the handler. The load generator closes its connections when a load stops, so
+ *   the storm shows up to one extra execution per connection (none while the load runs).
+ * - A 409 the preHandler answered is recorded as the key's completed response; a replay of it
+ *   records it again, so a key can end up replaying 409 after its handler's 201 was recorded.
+ *
+ * What still differs from the adapter, and in whose favour:
+ * - The adapter's hooks are async functions awaiting an async helper; here each hook is one async
+ *   function (one promise fewer per hook): the peer's favour, marginally.
+ * - The adapter is built for Fastify 4 (its package depends on fastify ^4 and fastify-plugin ^4);
+ *   it runs here on Fastify 5, whose hook, reply and error-handler API it uses unchanged: neutral.
+ * - The adapter creates its storage adapter itself (`buildStorageAdapter`, from options) and
+ *   disconnects it in an onClose hook; here server.ts constructs the same adapter classes and
+ *   disconnects them after app.close(): neutral.
+ * - For peer-redis, server.ts counts the storage adapter's calls (one closure per call, for the
+ *   Redis commands per request): against the peer, marginally, as our own Redis client's counting is
+ *   against us.
+ * The adapter is registered through fastify-plugin (its README), so its hooks apply to every route;
+ * here they are added to the root instance directly: the same.
  */
 import type { FastifyInstance, FastifyReply, FastifyRequest } from 'fastify'
 import { Idempotency, IdempotencyError, IdempotencyErrorCodes, type IdempotencyOptions, type IdempotencyParams, type IdempotencyResponse } from '@node-idempotency/core'
@@ -21,6 +44,7 @@ import { Idempotency, IdempotencyError, IdempotencyErrorCodes, type IdempotencyO
 /** The core's storage interface (@node-idempotency/storage, a dependency of the core's). */
 type StorageAdapter = ConstructorParameters<typeof Idempotency>[0]
 
+/** @node-idempotency/shared's idempotency2HttpCodeMap. */
 const STATUS_OF: Record<IdempotencyErrorCodes, number> = {
   [IdempotencyErrorCodes.IDEMPOTENCY_KEY_LEN_EXEEDED]: 400,
   [IdempotencyErrorCodes.IDEMPOTENCY_KEY_MISSING]: 400,
@@ -28,8 +52,8 @@ const STATUS_OF: Record<IdempotencyErrorCodes, number> = {
   [IdempotencyErrorCodes.REQUEST_IN_PROGRESS]: 409
 }
 
-/** Replies the preHandler answered itself, which onSend must not record. */
-const answered = new WeakSet<FastifyRequest>()
+/** @node-idempotency/shared's headers2Cache: the response headers recorded and replayed. */
+const RECORDED_HEADERS = ['Content-Type'] as const
 
 function params (request: FastifyRequest): IdempotencyParams {
   return {
@@ -45,29 +69,31 @@ export function peerIdempotency (app: FastifyInstance, storage: StorageAdapter, 
   const idempotency = new Idempotency(storage, options)
 
   app.addHook('preHandler', async (request: FastifyRequest, reply: FastifyReply) => {
-    let cached: IdempotencyResponse<string, string> | undefined
+    let cached: IdempotencyResponse<unknown, unknown> | undefined
     try {
-      cached = await idempotency.onRequest<string, string>(params(request))
+      cached = await idempotency.onRequest<unknown, unknown>(params(request))
     } catch (err) {
-      if (!(err instanceof IdempotencyError)) throw err
-      answered.add(request)
-      if (err.code === IdempotencyErrorCodes.REQUEST_IN_PROGRESS) void reply.header('retry-after', '1')
-      return reply.code(STATUS_OF[err.code] ?? 500).send({ code: err.code, message: err.message })
+      if (!(err instanceof IdempotencyError)) return // the adapter's fail-open: on to the handler
+      if (err.code === IdempotencyErrorCodes.REQUEST_IN_PROGRESS) void reply.header('Retry-After', '1')
+      return await reply.status(STATUS_OF[err.code] ?? 500).send(err)
     }
     if (cached === undefined) return // a new key: on to the handler
-    answered.add(request)
     const additional = cached.additional ?? {}
-    if (typeof additional.statusCode === 'number') void reply.code(additional.statusCode)
-    if (typeof additional['content-type'] === 'string') void reply.header('content-type', additional['content-type'])
-    return reply.header('idempotent-replayed', 'true').send(cached.body ?? cached.error)
+    if (additional.statusCode) void reply.status(additional.statusCode as number)
+    for (const name of RECORDED_HEADERS) {
+      if (additional[name]) void reply.header(name, additional[name] as string)
+    }
+    void reply.header('Idempotent-Replayed', 'true')
+    return await reply.send(cached.body || cached.error)
   })
 
   app.addHook('onSend', async (request: FastifyRequest, reply: FastifyReply, payload: unknown) => {
-    if (answered.has(request)) return payload
     const { statusCode } = reply
     const additional: Record<string, unknown> = { statusCode }
-    const type = reply.getHeader('content-type')
-    if (type !== undefined) additional['content-type'] = type
+    for (const name of RECORDED_HEADERS) {
+      const value = reply.getHeader(name)
+      if (value) additional[name] = value
+    }
     await idempotency.onResponse(params(request), statusCode < 400 ? { additional, body: payload } : { additional, error: payload })
     return payload
   })

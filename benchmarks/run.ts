@@ -1,20 +1,28 @@
 /**
- * The Postgres driver's benchmark (issue 3): `node --import tsx benchmarks/run.ts [--quick] [--out file]`.
+ * The benchmark (issues 3, 5, 14): `node --import tsx benchmarks/run.ts [--quick] [--out file]
+ * [--only scenario,…] [--setups setup,…]`.
  *
- * Starts a throwaway PostgreSQL (scripts/services.mjs) unless DATABASE_URL is set, migrates a fresh
- * schema, and measures each scenario with its setups interleaved (A B C … A B C …) so that the
- * machine's drift hits every setup alike. Each measurement gets its own server process
- * (benchmarks/server.ts) on a loopback port and loads it from this process with autocannon's
- * programmatic API. Reports medians over the rounds, and ratios taken within a round (to `bare`,
- * and for the Postgres setups to `floor-sql`): req/s, the server's own latency in microseconds
- * (p50/p99/p99.9, hrtime from onRequest to onResponse; GET /stats) and autocannon's client-side
- * latency in whole milliseconds. Prints a table and writes benchmarks/results/postgres.json
- * (postgres.quick.json with --quick, so a development run never overwrites the published figures)
- * and benchmarks/results/chart.svg (chart.quick.svg with --quick): req/s ratio to bare per setup
- * and scenario. The peer (@node-idempotency/core) runs through benchmarks/peer-glue.ts.
+ * Starts a throwaway PostgreSQL and Redis (scripts/services.mjs) unless DATABASE_URL and REDIS_URL
+ * are set, creates a fresh schema (benchmarks/schema.ts), and measures each scenario with its setups
+ * interleaved (A B C … A B C …) so that the machine's drift hits every setup alike. Each measurement
+ * gets its own server process (benchmarks/server.ts) on a loopback port, loaded from this process
+ * with autocannon's programmatic API; then, for the setups with a database, a short sequential probe
+ * (one request at a time) counts the exact statements and round trips of one request. Reports
+ * medians over the rounds and ratios taken within a round (to bare, to the setup's floor, to every
+ * other setup: `ratioTo` in the JSON): req/s, the server's own latency in microseconds (p50/p99/
+ * p99.9, hrtime from onRequest to onResponse; GET /stats), autocannon's client-side latency in whole
+ * milliseconds, and what reached PostgreSQL and Redis per request (benchmarks/counting.ts). Prints a
+ * table per scenario, the ratios crosscheck.ts reproduces (benchmarks/ratios.ts) and issue 14's
+ * targets, met or missed (benchmarks/targets.ts); writes benchmarks/results/postgres.json and
+ * benchmarks/results/chart.svg (postgres.quick.json and chart.quick.svg with --quick, so a
+ * development run never overwrites the published figures).
  *
- * Extending it (issue 5): a setup is a name here plus an entry in server.ts's SETUPS; a scenario is
- * an entry in SCENARIOS (its setups, its request stream, what it prepares and checks).
+ * --quick: 1 round of short loads, and each server serves every scenario of its setup and body size
+ * in turn (tables emptied in between) instead of one process per measurement: seconds, for the
+ * test suite; its figures are not comparable. --only / --setups: a subset (a check of one scenario).
+ *
+ * Extending it: a setup is a name in summary.ts's SETUPS plus an entry in server.ts's SETUPS; a
+ * scenario is an entry in SCENARIOS (its setups, its floors, its request stream, what it checks).
  */
 import { spawn, type ChildProcess } from 'node:child_process'
 import { randomBytes } from 'node:crypto'
@@ -26,89 +34,72 @@ import { fileURLToPath } from 'node:url'
 import { parseArgs } from 'node:util'
 import autocannon from 'autocannon'
 import postgres from 'postgres'
-import { migrate } from '../drivers/postgres/index.js'
+import { chart } from './chart.js'
+import { RATIOS, ratioName } from './ratios.js'
+import { BODY } from './route.js'
+import { createBenchSchema, describeDatabase, truncateBenchSchema } from './schema.js'
+import { addRatios, SETUPS, summarise, table, type Counts, type Latency, type PerRequest, type Run, type Setup, type Summary } from './summary.js'
+import { evaluateTargets, targetsTable } from './targets.js'
 
 const ROOT = fileURLToPath(new URL('..', import.meta.url))
 const SERVER = path.join(ROOT, 'benchmarks', 'server.ts')
 
-const { values: args } = parseArgs({ options: { quick: { type: 'boolean', default: false }, out: { type: 'string' } } })
+const { values: args } = parseArgs({
+  options: {
+    quick: { type: 'boolean', default: false },
+    out: { type: 'string' },
+    only: { type: 'string' },
+    setups: { type: 'string' }
+  }
+})
 const QUICK = args.quick === true
 const OUT = args.out ?? path.join(ROOT, 'benchmarks', 'results', QUICK ? 'postgres.quick.json' : 'postgres.json')
 const CHART = path.join(path.dirname(OUT), QUICK ? 'chart.quick.svg' : 'chart.svg')
 /** Read before anything runs: a busy machine skews every figure. */
 const loadAverageAtStart = os.loadavg()
+
+/** How long each measurement loads its server: the main scenarios, and the scale scenarios (shorter, to bound the run). */
+interface Timing { durationSeconds: number, warmupSeconds: number }
 const CONFIG = {
   rounds: QUICK ? 1 : 3,
   connections: 10,
-  durationSeconds: QUICK ? 0.8 : 4,
-  // Unmeasured load on each new server first: JIT, the pool's connections, prepared statements.
-  warmupSeconds: QUICK ? 0.3 : 1,
+  main: { durationSeconds: QUICK ? 0.3 : 4, warmupSeconds: QUICK ? 0.1 : 1 } satisfies Timing,
+  scale: { durationSeconds: QUICK ? 0.2 : 2, warmupSeconds: QUICK ? 0.05 : 0.5 } satisfies Timing,
   poolMax: 10,
-  replayKeys: 100
+  replayKeys: QUICK ? 20 : 100,
+  /** The sequential probe: requests sent first (connections' first statements prepare), then counted. */
+  probe: { warmup: QUICK ? 3 : 10, requests: QUICK ? 10 : 40 }
 } as const
 
-const SETUPS = ['bare', 'memory', 'peer-memory', 'pg-lease', 'pg-atomic', 'pg-redis', 'peer-redis', 'floor-sql'] as const
-type Setup = typeof SETUPS[number]
-const PG_SETUPS: ReadonlySet<Setup> = new Set(['pg-lease', 'pg-atomic', 'pg-redis', 'floor-sql'])
+/** The setups with a database or Redis, whose traffic is counted and probed. */
+const COUNTED: ReadonlySet<Setup> = new Set(['pg-lease', 'pg-atomic', 'pg-redis', 'peer-redis', 'floor-sql', 'floor-select', 'floor-txn'])
 /** The duplicate storm: many connections on few keys, each key hammered concurrently (issue 5). */
 const STORM = { connections: 200, keys: 20 } as const
-/** The response body's sizes (server.ts's BENCH_PAYLOAD): the ~200-byte payment, and one padded to 64 KiB. */
-const SMALL = 200
-const LARGE = 65_536
-/** The 64 KiB scenarios run only these, to bound the run's time. */
-const LARGE_SETUPS: readonly Setup[] = ['bare', 'memory', 'peer-memory', 'pg-lease']
-/** The setups whose calls to their store are counted (round trips; the memory stores' are not). */
-const COUNTED: ReadonlySet<Setup> = new Set(['pg-lease', 'pg-redis', 'peer-redis'])
-
-const BODY = '{"amount":1000,"currency":"EUR"}'
-
-interface Run {
-  scenario: string
-  round: number
-  setup: Setup
-  requestsPerSecond: number
-  requests: number
-  durationSeconds: number
-  /** The server's own latency of POST /pay (onRequest to onResponse), µs: what overhead adds. */
-  latencyUs: Latency
-  /** latencyUs over bare's in the same round and scenario. */
-  latencyRatioToBare: { p50: number, p99: number, p99_9: number } | null
-  /** autocannon's histogram, client-side (includes the load generator's queueing): whole milliseconds. */
-  latencyMs: { p50: number, p90: number, p99: number, p99_9: number, mean: number, max: number }
-  statusCodes: Record<string, number>
-  non2xx: number
-  errors: number
-  timeouts: number
-  /** Operations the server executed during the measured load (GET /stats before and after). */
-  executions: number
-  /** The same, counting from before the warm-up. */
-  executionsWithWarmup: number
-  /** Calls that reached the store during the measured load, per request (setups that count them). */
-  storeCallsPerRequest: number | null
-  peakRssMiB: number
-  ratioToBare: number | null
-  ratioToFloor: number | null
-  problems: string[]
-}
-
-interface Latency { samples: number, p50: number, p99: number, p99_9: number }
+const KiB = 1024
+const MiB = 1024 * 1024
+/** The scale scenarios (issue 14: the cost curve over connections and body sizes) run only these. */
+const SCALE_SETUPS: readonly Setup[] = ['bare', 'memory', 'peer-memory', 'pg-lease']
 
 interface Scenario {
   name: string
   description: string
   /** The response body's size in bytes (BENCH_PAYLOAD). */
   payload: number
+  connections: number
+  timing: Timing
   setups: readonly Setup[]
+  /** The floor each setup is held to here. */
+  floors: Partial<Record<Setup, Setup>>
   /** Runs once against each new server, before its warm-up. */
   prepare?: (url: string, tag: string) => Promise<void>
   /** autocannon's request list; `tag` is unique to the measurement. */
   requests: (tag: string) => autocannon.Request[]
-  /** Connections of this scenario's load (CONFIG.connections otherwise). */
-  connections?: number
+  /** The probe's i-th key (none: not probed). */
+  probeKey?: (i: number, tag: string) => string
   /** Statuses that are a correct answer here besides 2xx (a storm's 409s). */
   allowedNon2xx?: readonly number[]
-  /** What must hold of a measured run (beyond 0 errors): returns the problems. */
-  check: (run: Run) => string[]
+  /** What must hold of a measured run (beyond 0 errors): its problems (the run fails) and warnings. */
+  check: (run: Run) => { problems?: string[], warnings?: string[] }
 }
 
 /** A request whose idempotency-key header `key()` picks anew each time autocannon sends it. */
@@ -127,41 +118,80 @@ function keyed (key: () => string): autocannon.Request[] {
 let freshCounter = 0
 const replayKey = (i: number, tag: string): string => `"r-${i}-${tag}"`
 
-function fresh (name: string, payload: number, setups: readonly Setup[]): Scenario {
-  return {
-    name,
-    description: `every request a new key; ${describePayload(payload)}`,
-    payload,
-    setups,
-    requests: (tag) => keyed(() => `"k-${freshCounter++}-${tag}"`),
-    // A request in flight when a load stops still executes, uncounted: up to one per connection
-    // after the warm-up (counted here) and after the measured load (not counted here).
-    check: (run) => Math.abs(run.executions - run.requests) <= 2 * CONFIG.connections
-      ? []
-      : [`${run.executions} executions for ${run.requests} fresh keys`]
+const near = (value: number | undefined, goal: number): boolean => value !== undefined && Math.abs(value - goal) < 0.005
+
+/** The statement counts of issue 14's targets (warnings) and of the floors (problems: the counting itself is wrong). */
+function countChecks (run: Run, expected: Partial<Record<Setup, { statements?: number, maxRoundTrips?: number, maxRedisRoundTrips?: number }>>, floors: Partial<Record<Setup, number>>): { problems: string[], warnings: string[] } {
+  const problems: string[] = []
+  const warnings: string[] = []
+  const probe = run.probe
+  const floor = floors[run.setup]
+  if (floor !== undefined && probe?.pg !== null && probe !== null && !near(probe.pg?.statements, floor)) {
+    problems.push(`${probe.pg?.statements} statements per request, where the floor runs ${floor}: the counting is wrong`)
   }
+  const want = expected[run.setup]
+  if (want === undefined || probe === null) return { problems, warnings }
+  if (want.statements !== undefined && !near(probe.pg?.statements, want.statements)) warnings.push(`${probe.pg?.statements} statements per request (target: ${want.statements})`)
+  if (want.maxRoundTrips !== undefined && (probe.pg?.roundTrips ?? Infinity) > want.maxRoundTrips + 0.005) warnings.push(`${probe.pg?.roundTrips} round trips per request (target: at most ${want.maxRoundTrips})`)
+  if (want.maxRedisRoundTrips !== undefined && (probe.redis?.roundTrips ?? Infinity) > want.maxRedisRoundTrips + 0.005) warnings.push(`${probe.redis?.roundTrips} Redis round trips per request (target: at most ${want.maxRedisRoundTrips})`)
+  return { problems, warnings }
+}
+
+/**
+ * Executions too many: problems for our setups and the floors; for the peer's, warnings: it is what
+ * its Fastify adapter does (peer-glue.ts: a replay whose client disconnects runs the handler, and
+ * every load ends by closing its connections).
+ */
+function executionCheck (run: Run, found: string[]): { problems: string[], warnings: string[] } {
+  if (!run.setup.startsWith('peer-')) return { problems: found, warnings: [] }
+  return { problems: [], warnings: found.map((text) => `${text} (the peer's adapter runs the handler for a replay whose client disconnected: see peer-glue.ts)`) }
 }
 
 function describePayload (bytes: number): string {
-  return bytes >= 1024 ? `${Math.round(bytes / 1024)} KiB responses` : `${bytes}-byte responses`
+  return bytes >= MiB ? `${Math.round(bytes / MiB)} MiB responses` : bytes >= KiB ? `${Math.round(bytes / KiB)} KiB responses` : `${bytes}-byte responses`
 }
 
-function replay (name: string, payload: number, setups: readonly Setup[]): Scenario {
+interface Shape { name: string, payload: number, connections: number, timing: Timing, setups: readonly Setup[], floors?: Partial<Record<Setup, Setup>> }
+
+function fresh ({ name, payload, connections, timing, setups, floors = {} }: Shape): Scenario {
   return {
     name,
-    description: `requests cycle over ${CONFIG.replayKeys} keys completed beforehand; ${describePayload(payload)}`,
+    description: `every request a new key; ${describePayload(payload)}, ${connections} connection(s)`,
     payload,
+    connections,
+    timing,
     setups,
+    floors,
+    requests: (tag) => keyed(() => `"k-${freshCounter++}-${tag}"`),
+    probeKey: (i, tag) => `"p-${i}-${tag}"`,
+    check (run) {
+      // A request in flight when a load stops still executes, uncounted: up to one per connection
+      // after the warm-up (counted here) and after the measured load (not counted here).
+      const problems = Math.abs(run.executions - run.requests) <= 2 * connections ? [] : [`${run.executions} executions for ${run.requests} fresh keys`]
+      const counts = countChecks(run, {
+        'pg-lease': { statements: 2 },
+        'pg-atomic': { maxRoundTrips: 5 },
+        'pg-redis': { statements: 2, maxRedisRoundTrips: 1 }
+      }, { 'floor-sql': 2, 'floor-txn': 5 })
+      return { problems: [...problems, ...counts.problems], warnings: counts.warnings }
+    }
+  }
+}
+
+function replay ({ name, payload, connections, timing, setups, floors = {} }: Shape): Scenario {
+  return {
+    name,
+    description: `requests cycle over ${CONFIG.replayKeys} keys completed beforehand; ${describePayload(payload)}, ${connections} connection(s)`,
+    payload,
+    connections,
+    timing,
+    setups,
+    floors,
     async prepare (url, tag) {
       for (let i = 0; i < CONFIG.replayKeys; i += CONFIG.connections) {
         await Promise.all(Array.from({ length: Math.min(CONFIG.connections, CONFIG.replayKeys - i) }, async (_, j) => {
-          const response = await fetch(`${url}/pay`, {
-            method: 'POST',
-            headers: { 'content-type': 'application/json', 'idempotency-key': replayKey(i + j, tag) },
-            body: BODY
-          })
-          await response.arrayBuffer()
-          if (response.status !== 201) throw new Error(`replay warm-up: key ${i + j} answered ${response.status}`)
+          const status = await post(url, replayKey(i + j, tag))
+          if (status !== 201) throw new Error(`replay warm-up: key ${i + j} answered ${status}`)
         }))
       }
     },
@@ -169,34 +199,64 @@ function replay (name: string, payload: number, setups: readonly Setup[]): Scena
       let i = 0
       return keyed(() => replayKey(i++ % CONFIG.replayKeys, tag))
     },
-    // bare has no idempotency: it executes every request.
-    check: (run) => run.setup === 'bare' || run.executions === 0 ? [] : [`${run.executions} executions during replays`]
+    probeKey: (i, tag) => replayKey(i % CONFIG.replayKeys, tag),
+    check (run) {
+      // bare has no idempotency: it executes every request.
+      const executed = run.setup === 'bare' || run.executions === 0 ? [] : [`${run.executions} executions during replays`]
+      const counts = countChecks(run, { 'pg-lease': { statements: 1 }, 'pg-redis': { statements: 0 } }, { 'floor-select': 1 })
+      const executions = executionCheck(run, executed)
+      return { problems: [...executions.problems, ...counts.problems], warnings: [...executions.warnings, ...counts.warnings] }
+    }
   }
 }
 
-const SCENARIOS: readonly Scenario[] = [
-  fresh('fresh', SMALL, SETUPS),
-  replay('replay', SMALL, SETUPS),
+const MAIN = { connections: CONFIG.connections, timing: CONFIG.main, payload: 200 }
+const SCALE = { connections: CONFIG.connections, timing: CONFIG.scale, payload: 200, setups: SCALE_SETUPS }
+const ALL_SCENARIOS: readonly Scenario[] = [
+  fresh({ ...MAIN, name: 'fresh', setups: ['bare', 'memory', 'peer-memory', 'pg-lease', 'pg-atomic', 'pg-redis', 'peer-redis', 'floor-sql', 'floor-txn'], floors: { 'pg-lease': 'floor-sql', 'pg-redis': 'floor-sql', 'pg-atomic': 'floor-txn' } }),
+  replay({ ...MAIN, name: 'replay', setups: ['bare', 'memory', 'peer-memory', 'pg-lease', 'pg-atomic', 'pg-redis', 'peer-redis', 'floor-select'], floors: { 'pg-lease': 'floor-select', 'pg-redis': 'floor-select', 'pg-atomic': 'floor-select' } }),
   {
     name: 'storm',
-    description: `${STORM.connections} connections hammering ${STORM.keys} keys (duplicates: 409 while in flight, then replays); ${describePayload(SMALL)}`,
-    payload: SMALL,
-    setups: ['bare', 'pg-lease', 'pg-redis', 'peer-redis'],
+    description: `${STORM.connections} connections hammering ${STORM.keys} keys (duplicates: 409 while in flight, then replays); ${describePayload(200)}`,
+    payload: 200,
     connections: STORM.connections,
+    timing: CONFIG.main,
+    setups: ['bare', 'pg-lease', 'pg-redis', 'peer-redis'],
+    floors: {},
     allowedNon2xx: [409],
     requests (tag) {
       let i = 0
       return keyed(() => `"s-${i++ % STORM.keys}-${tag}"`)
     },
-    check: (run) => run.setup === 'bare' || run.executionsWithWarmup === STORM.keys
-      ? []
-      : [`${run.executionsWithWarmup} executions for ${STORM.keys} keys`]
+    check (run) {
+      const executed = run.setup === 'bare' || run.executionsWithWarmup === STORM.keys ? [] : [`${run.executionsWithWarmup} executions for ${STORM.keys} keys`]
+      const statements = run.load.pg?.statements
+      const warnings = run.setup === 'pg-redis' && statements !== undefined && statements > 0.01 ? [`${statements} statements per request (target: at most 0.01)`] : []
+      const executions = executionCheck(run, executed)
+      return { problems: executions.problems, warnings: [...executions.warnings, ...warnings] }
+    }
   },
-  fresh('fresh-64k', LARGE, LARGE_SETUPS),
-  replay('replay-64k', LARGE, LARGE_SETUPS)
+  fresh({ ...SCALE, name: 'fresh-c1', connections: 1 }),
+  replay({ ...SCALE, name: 'replay-c1', connections: 1 }),
+  fresh({ ...SCALE, name: 'fresh-c100', connections: 100 }),
+  replay({ ...SCALE, name: 'replay-c100', connections: 100 }),
+  fresh({ ...SCALE, name: 'fresh-64k', payload: 64 * KiB }),
+  replay({ ...SCALE, name: 'replay-64k', payload: 64 * KiB }),
+  fresh({ ...SCALE, name: 'fresh-1m', payload: MiB }),
+  replay({ ...SCALE, name: 'replay-1m', payload: MiB })
 ]
 
-// --- the database -----------------------------------------------------------------------------
+const listArg = (value: string | undefined): Set<string> | null => value === undefined ? null : new Set(value.split(',').map((s) => s.trim()).filter(Boolean))
+const onlyScenarios = listArg(args.only)
+const onlySetups = listArg(args.setups)
+for (const name of onlyScenarios ?? []) if (!ALL_SCENARIOS.some((s) => s.name === name)) throw new Error(`--only: no scenario ${name}; one of ${ALL_SCENARIOS.map((s) => s.name).join(', ')}`)
+for (const name of onlySetups ?? []) if (!(SETUPS as readonly string[]).includes(name)) throw new Error(`--setups: no setup ${name}; one of ${SETUPS.join(', ')}`)
+const SCENARIOS = ALL_SCENARIOS
+  .filter((s) => onlyScenarios === null || onlyScenarios.has(s.name))
+  .map((s) => ({ ...s, setups: s.setups.filter((setup) => onlySetups === null || onlySetups.has(setup)) }))
+  .filter((s) => s.setups.length > 0)
+
+// --- the services ------------------------------------------------------------------------------
 
 interface Services { env: Record<string, string>, stop: (() => Promise<void>) & { sync: () => void } }
 let services: Services | null = null
@@ -219,31 +279,11 @@ const REDIS_URL = services?.env.REDIS_URL ?? process.env.REDIS_URL ?? ''
 const SCHEMA = `bench_${randomBytes(4).toString('hex')}`
 const admin = postgres(DATABASE_URL, { max: 2, onnotice: () => {} })
 
-async function createSchema (): Promise<void> {
-  await admin`CREATE SCHEMA ${admin(SCHEMA)}`
-  // Both record tables from the driver's own migration, so floor-sql writes the very same shape.
-  await migrate(admin, { schema: SCHEMA, table: 'records' })
-  await migrate(admin, { schema: SCHEMA, table: 'floor_records' })
-  await admin`
-    CREATE TABLE ${admin(SCHEMA)}.payments (
-      id bigint GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
-      idempotency_key text NOT NULL,
-      amount integer NOT NULL,
-      currency text NOT NULL,
-      created_at timestamptz NOT NULL DEFAULT now()
-    )`
-}
-
-async function describeDatabase (): Promise<Record<string, string>> {
-  const settings = await admin`
-    SELECT name, current_setting(name) AS setting FROM pg_settings
-    WHERE name IN ('server_version', 'fsync', 'synchronous_commit', 'full_page_writes', 'shared_buffers', 'max_connections')`
-  return Object.fromEntries(settings.map((row) => [String(row.name), String(row.setting)]))
-}
-
 // --- one measurement ----------------------------------------------------------------------------
 
-async function startServer (setup: Setup, payload: number): Promise<{ url: string, pid: number, stop: () => Promise<void> }> {
+interface Instance { setup: Setup, url: string, pid: number, stop: () => Promise<void> }
+
+async function startServer (setup: Setup, payload: number): Promise<Instance> {
   const child = spawn(process.execPath, ['--import', 'tsx', SERVER], {
     cwd: ROOT,
     env: { ...process.env, SETUP: setup, DATABASE_URL, REDIS_URL, BENCH_SCHEMA: SCHEMA, BENCH_POOL_MAX: String(CONFIG.poolMax), BENCH_PAYLOAD: String(payload) },
@@ -261,6 +301,7 @@ async function startServer (setup: Setup, payload: number): Promise<{ url: strin
     void exited.then((code) => { clearTimeout(timer); reject(new Error(`server ${setup} exited (${code}) before listening`)) })
   })
   return {
+    setup,
     url: `http://127.0.0.1:${port}`,
     pid: child.pid!,
     async stop () {
@@ -287,13 +328,45 @@ function load (url: string, requests: autocannon.Request[], seconds: number, con
   })
 }
 
-interface Stats { executions: number, storeCalls: number | null, latencyUs: Latency }
+/** One POST /pay with `key`; its status. */
+async function post (url: string, key: string): Promise<number> {
+  const response = await fetch(`${url}/pay`, { method: 'POST', headers: { 'content-type': 'application/json', 'idempotency-key': key }, body: BODY })
+  await response.arrayBuffer()
+  return response.status
+}
+
+interface Stats { executions: number, requests: number, pg: PerRequest | null, redis: PerRequest | null, latencyUs: Latency }
 
 async function stats (url: string): Promise<Stats> {
   const response = await fetch(`${url}/stats`)
-  const body = await response.json() as { executions: number, storeCalls?: number, latencyUs: { samples: number, p50: number | null, p99: number | null, p99_9: number | null } }
+  const body = await response.json() as Omit<Stats, 'latencyUs'> & { latencyUs: { samples: number, p50: number | null, p99: number | null, p99_9: number | null } }
   const { samples, p50, p99, p99_9 } = body.latencyUs
-  return { executions: body.executions, storeCalls: body.storeCalls ?? null, latencyUs: { samples, p50: p50 ?? NaN, p99: p99 ?? NaN, p99_9: p99_9 ?? NaN } }
+  return { ...body, latencyUs: { samples, p50: p50 ?? NaN, p99: p99 ?? NaN, p99_9: p99_9 ?? NaN } }
+}
+
+/**
+ * /stats once the server has gone quiet: the requests a load left in flight when it stopped still
+ * run (and reach the backends) after autocannon has returned. Two polls 25 ms apart that agree, or 2 s.
+ */
+async function settled (url: string): Promise<Stats> {
+  const shape = (s: Stats): string => JSON.stringify([s.executions, s.requests, s.pg, s.redis])
+  let last = await stats(url)
+  for (const deadline = Date.now() + 2000; Date.now() < deadline;) {
+    await new Promise((resolve) => setTimeout(resolve, 25))
+    const next = await stats(url)
+    if (shape(next) === shape(last)) return next
+    last = next
+  }
+  return last
+}
+
+/** What reached the backends between two /stats, per POST /pay answered in between. */
+function countsBetween (before: Stats, after: Stats): Counts {
+  const requests = after.requests - before.requests
+  const per = (a: PerRequest | null, b: PerRequest | null): PerRequest | null => a === null || b === null || requests === 0
+    ? null
+    : { statements: Math.round((b.statements - a.statements) / requests * 1000) / 1000, roundTrips: Math.round((b.roundTrips - a.roundTrips) / requests * 1000) / 1000 }
+  return { requests, pg: per(before.pg, after.pg), redis: per(before.redis, after.redis) }
 }
 
 /** Empties the server's latency histogram (so that it holds the measured load only). */
@@ -308,250 +381,121 @@ function peakRssMiB (pid: number): number {
   return match === null ? NaN : Math.round(Number(match[1]) / 1024)
 }
 
-async function measure (scenario: Scenario, setup: Setup, round: number): Promise<Run> {
-  // Every measurement starts from empty tables (and a new process), whatever ran before it.
-  await admin`TRUNCATE ${admin(SCHEMA)}.records, ${admin(SCHEMA)}.floor_records, ${admin(SCHEMA)}.payments`
-  const instance = await startServer(setup, scenario.payload)
-  try {
-    const tag = randomBytes(4).toString('hex')
-    await scenario.prepare?.(instance.url, tag)
-    const requests = scenario.requests(tag)
-    const connections = scenario.connections ?? CONFIG.connections
-    const initial = await stats(instance.url)
-    await load(instance.url, requests, CONFIG.warmupSeconds, connections)
-    const before = await stats(instance.url)
-    await resetLatency(instance.url)
-    const result = await load(instance.url, requests, CONFIG.durationSeconds, connections)
-    const after = await stats(instance.url)
-    const counts = before.storeCalls !== null && after.storeCalls !== null && COUNTED.has(setup)
-    const run: Run = {
-      scenario: scenario.name,
-      round,
-      setup,
-      requestsPerSecond: Math.round(result.requests.total / result.duration),
-      requests: result.requests.total,
-      durationSeconds: result.duration,
-      latencyUs: after.latencyUs,
-      latencyRatioToBare: null,
-      latencyMs: {
-        p50: result.latency.p50,
-        p90: result.latency.p90,
-        p99: result.latency.p99,
-        p99_9: result.latency.p99_9,
-        mean: result.latency.mean,
-        max: result.latency.max
-      },
-      statusCodes: Object.fromEntries(Object.entries(result.statusCodeStats ?? {}).map(([code, stat]) => [code, stat.count ?? 0])),
-      non2xx: result.non2xx,
-      errors: result.errors,
-      timeouts: result.timeouts,
-      executions: after.executions - before.executions,
-      executionsWithWarmup: after.executions - initial.executions,
-      storeCallsPerRequest: counts ? Math.round((after.storeCalls! - before.storeCalls!) / result.requests.total * 1000) / 1000 : null,
-      peakRssMiB: peakRssMiB(instance.pid),
-      ratioToBare: null,
-      ratioToFloor: null,
-      problems: []
-    }
-    const allowed = new Set(scenario.allowedNon2xx ?? [])
-    const unexpected = Object.entries(run.statusCodes).some(([code, count]) => count > 0 && !code.startsWith('2') && !allowed.has(Number(code)))
-    if (run.latencyUs.samples < run.requests) run.problems.push(`${run.latencyUs.samples} latency samples for ${run.requests} requests`)
-    if (run.errors > 0 || unexpected) run.problems.push(`${run.errors} errors, ${run.non2xx} non-2xx (${JSON.stringify(run.statusCodes)})`)
-    run.problems.push(...scenario.check(run))
-    return run
-  } finally {
-    await instance.stop()
+/** Requests one at a time: the exact statements and round trips of one request (counting.ts); statuses other than 2xx. */
+async function probe (instance: Instance, scenario: Scenario, tag: string): Promise<{ counts: Counts | null, unexpected: number[] }> {
+  const key = scenario.probeKey
+  const unexpected: number[] = []
+  if (key === undefined || !COUNTED.has(instance.setup)) return { counts: null, unexpected }
+  await settled(instance.url) // what the load left in flight is no part of the probe
+  const send = async (i: number): Promise<void> => {
+    const status = await post(instance.url, key(i, tag))
+    if (status < 200 || status >= 300) unexpected.push(status)
   }
+  for (let i = 0; i < CONFIG.probe.warmup; i++) await send(i)
+  const before = await stats(instance.url)
+  for (let i = CONFIG.probe.warmup; i < CONFIG.probe.warmup + CONFIG.probe.requests; i++) await send(i)
+  return { counts: countsBetween(before, await stats(instance.url)), unexpected }
 }
 
-// --- summary ------------------------------------------------------------------------------------
-
-function median (values: number[]): number {
-  const sorted = values.filter(Number.isFinite).sort((a, b) => a - b)
-  if (sorted.length === 0) return NaN
-  const mid = sorted.length >> 1
-  return sorted.length % 2 === 1 ? sorted[mid]! : (sorted[mid - 1]! + sorted[mid]!) / 2
-}
-
-const ratio = (a: number, b: number): number => Math.round(a / b * 1000) / 1000
-
-/** Ratios within a round: the two runs were measured minutes apart at most, on the same drift. */
-function addRatios (runs: Run[]): void {
-  for (const run of runs) {
-    const peer = (setup: Setup): Run | undefined => runs.find((r) => r.scenario === run.scenario && r.round === run.round && r.setup === setup)
-    const bare = peer('bare')
-    const floor = peer('floor-sql')
-    if (bare !== undefined) {
-      run.ratioToBare = ratio(run.requestsPerSecond, bare.requestsPerSecond)
-      run.latencyRatioToBare = {
-        p50: ratio(run.latencyUs.p50, bare.latencyUs.p50),
-        p99: ratio(run.latencyUs.p99, bare.latencyUs.p99),
-        p99_9: ratio(run.latencyUs.p99_9, bare.latencyUs.p99_9)
-      }
-    }
-    if (floor !== undefined && PG_SETUPS.has(run.setup)) run.ratioToFloor = ratio(run.requestsPerSecond, floor.requestsPerSecond)
+async function measure (scenario: Scenario, instance: Instance, round: number): Promise<Run> {
+  // Every measurement starts from empty tables, whatever ran before it.
+  await truncateBenchSchema(admin, SCHEMA)
+  const { setup, url } = instance
+  const tag = randomBytes(4).toString('hex')
+  await scenario.prepare?.(url, tag)
+  const requests = scenario.requests(tag)
+  const initial = await stats(url)
+  await load(url, requests, scenario.timing.warmupSeconds, scenario.connections)
+  // The measured window opens on a quiet server: nothing the warm-up started is counted in it.
+  const before = await settled(url)
+  await resetLatency(url)
+  const result = await load(url, requests, scenario.timing.durationSeconds, scenario.connections)
+  const after = await stats(url)
+  const run: Run = {
+    scenario: scenario.name,
+    round,
+    setup,
+    requestsPerSecond: Math.round(result.requests.total / result.duration),
+    requests: result.requests.total,
+    durationSeconds: result.duration,
+    connections: scenario.connections,
+    latencyUs: after.latencyUs,
+    latencyRatioToBare: null,
+    latencyMs: {
+      p50: result.latency.p50,
+      p90: result.latency.p90,
+      p99: result.latency.p99,
+      p99_9: result.latency.p99_9,
+      mean: result.latency.mean,
+      max: result.latency.max
+    },
+    statusCodes: Object.fromEntries(Object.entries(result.statusCodeStats ?? {}).map(([code, stat]) => [code, stat.count ?? 0])),
+    non2xx: result.non2xx,
+    errors: result.errors,
+    timeouts: result.timeouts,
+    executions: after.executions - before.executions,
+    executionsWithWarmup: after.executions - initial.executions,
+    load: countsBetween(before, after),
+    probe: null,
+    peakRssMiB: peakRssMiB(instance.pid),
+    ratioTo: {},
+    ratioToBare: null,
+    floor: scenario.floors[setup] ?? null,
+    ratioToFloor: null,
+    problems: [],
+    warnings: []
   }
+  // After the load's figures are taken: the probe's requests are no part of them.
+  const probed = await probe(instance, scenario, tag)
+  run.probe = probed.counts
+  if (probed.unexpected.length > 0) run.problems.push(`the sequential probe's requests answered ${probed.unexpected.join(', ')}`)
+  const allowed = new Set(scenario.allowedNon2xx ?? [])
+  const unexpected = Object.entries(run.statusCodes).some(([code, count]) => count > 0 && !code.startsWith('2') && !allowed.has(Number(code)))
+  if (run.latencyUs.samples < run.requests) run.problems.push(`${run.latencyUs.samples} latency samples for ${run.requests} requests`)
+  if (run.errors > 0 || unexpected) run.problems.push(`${run.errors} errors, ${run.non2xx} non-2xx (${JSON.stringify(run.statusCodes)})`)
+  const checked = scenario.check(run)
+  run.problems.push(...checked.problems ?? [])
+  run.warnings.push(...checked.warnings ?? [])
+  return run
 }
-
-interface Summary {
-  setup: Setup
-  requestsPerSecond: number
-  requestsPerSecondByRound: number[]
-  ratioToBare: number | null
-  ratioToFloor: number | null
-  /** Server-side latency, µs (medians over the rounds), and its ratio to bare's (medians of in-round ratios). */
-  p50Us: number
-  p99Us: number
-  p99_9Us: number
-  p50UsToBare: number | null
-  p99UsToBare: number | null
-  p99_9UsToBare: number | null
-  /** Client-side latency (autocannon), whole ms. */
-  clientP50Ms: number
-  clientP99Ms: number
-  non2xx: number
-  errors: number
-  peakRssMiB: number
-  /** Median calls reaching the store per request (pg-lease, pg-redis). */
-  storeCallsPerRequest: number | null
-}
-
-function summarise (runs: Run[], scenario: Scenario): Summary[] {
-  return scenario.setups.map((setup) => {
-    const mine = runs.filter((run) => run.scenario === scenario.name && run.setup === setup)
-    const medianRatio = (pick: (run: Run) => number | null): number | null => {
-      const values = mine.map(pick).filter((v): v is number => v !== null)
-      return values.length === 0 ? null : median(values)
-    }
-    return {
-      setup,
-      requestsPerSecond: median(mine.map((run) => run.requestsPerSecond)),
-      requestsPerSecondByRound: mine.map((run) => run.requestsPerSecond),
-      ratioToBare: medianRatio((run) => run.ratioToBare),
-      ratioToFloor: medianRatio((run) => run.ratioToFloor),
-      p50Us: median(mine.map((run) => run.latencyUs.p50)),
-      p99Us: median(mine.map((run) => run.latencyUs.p99)),
-      p99_9Us: median(mine.map((run) => run.latencyUs.p99_9)),
-      p50UsToBare: medianRatio((run) => run.latencyRatioToBare?.p50 ?? null),
-      p99UsToBare: medianRatio((run) => run.latencyRatioToBare?.p99 ?? null),
-      p99_9UsToBare: medianRatio((run) => run.latencyRatioToBare?.p99_9 ?? null),
-      clientP50Ms: median(mine.map((run) => run.latencyMs.p50)),
-      clientP99Ms: median(mine.map((run) => run.latencyMs.p99)),
-      non2xx: mine.reduce((sum, run) => sum + run.non2xx, 0),
-      errors: mine.reduce((sum, run) => sum + run.errors, 0),
-      peakRssMiB: Math.max(...mine.map((run) => run.peakRssMiB)),
-      storeCallsPerRequest: medianRatio((run) => run.storeCallsPerRequest)
-    }
-  })
-}
-
-function table (scenario: Scenario, rows: Summary[]): string {
-  const head = ['setup', 'req/s', '× bare', '× floor-sql', 'p50 µs (× bare)', 'p99 µs (× bare)', 'p99.9 µs (× bare)', 'client p50/p99 ms', 'non-2xx', 'errors', 'store calls/req', 'peak RSS', 'req/s by round']
-  const us = (value: number, toBare: number | null): string => `${Number.isFinite(value) ? Math.round(value) : '—'} (${fixed(toBare)})`
-  const fixed = (v: number | null, digits = 2): string => v === null ? '—' : v.toFixed(digits)
-  const body = rows.map((row) => [
-    row.setup,
-    Math.round(row.requestsPerSecond).toLocaleString('en-US'),
-    fixed(row.ratioToBare),
-    fixed(row.ratioToFloor),
-    us(row.p50Us, row.p50UsToBare),
-    us(row.p99Us, row.p99UsToBare),
-    us(row.p99_9Us, row.p99_9UsToBare),
-    `${row.clientP50Ms}/${row.clientP99Ms}`,
-    String(row.non2xx),
-    String(row.errors),
-    fixed(row.storeCallsPerRequest, 3),
-    `${row.peakRssMiB} MiB`,
-    row.requestsPerSecondByRound.map((v) => v.toLocaleString('en-US')).join(' ')
-  ])
-  const widths = head.map((h, i) => Math.max(h.length, ...body.map((cells) => cells[i]!.length)))
-  const line = (cells: string[]): string => `| ${cells.map((c, i) => i === 0 || i === cells.length - 1 ? c.padEnd(widths[i]!) : c.padStart(widths[i]!)).join(' | ')} |`
-  return [
-    `${scenario.name}: ${scenario.description}`,
-    line(head),
-    `|${widths.map((w, i) => i === 0 || i === widths.length - 1 ? `:${'-'.repeat(w + 1)}` : `${'-'.repeat(w + 1)}:`).join('|')}|`,
-    ...body.map(line)
-  ].join('\n')
-}
-
-// --- the chart -----------------------------------------------------------------------------------
-
-const COLOURS: Record<Setup, string> = {
-  bare: '#9e9e9e',
-  memory: '#1f77b4',
-  'peer-memory': '#aec7e8',
-  'pg-lease': '#2ca02c',
-  'pg-atomic': '#98df8a',
-  'pg-redis': '#d62728',
-  'peer-redis': '#ff9896',
-  'floor-sql': '#7f7f7f'
-}
-
-const escapeXml = (text: string): string => text.replace(/[<>&"]/g, (c) => ({ '<': '&lt;', '>': '&gt;', '&': '&amp;', '"': '&quot;' })[c]!)
 
 /**
- * Grouped bars, hand-built SVG: one group per scenario, one bar per setup (bare is the dashed line
- * at 1.0), the bar's height its median req/s ratio to bare, the ratio printed above it.
+ * Every measurement, in order. Full: for each scenario, its rounds, each round every setup in turn,
+ * each measurement in a new server process. Quick: one server per setup and body size, serving its
+ * scenarios one after the other.
  */
-function chart (summaries: Array<{ scenario: Scenario, rows: Summary[] }>, text: { title: string, subtitle: string, subtitle2: string, subtitle3: string }): string {
-  const width = 1100
-  const height = 560
-  const margin = { top: 110, right: 170, bottom: 70, left: 70 }
-  const plotW = width - margin.left - margin.right
-  const plotH = height - margin.top - margin.bottom
-  const groups = summaries.map(({ scenario, rows }) => ({ scenario, rows: rows.filter((row) => row.setup !== 'bare' && row.ratioToBare !== null) }))
-  const maxRatio = Math.max(1, ...groups.flatMap(({ rows }) => rows.map((row) => row.ratioToBare!)))
-  const top = Math.ceil(maxRatio * 5 + 0.5) / 5 // room for the labels above the tallest bar
-  const y = (v: number): number => margin.top + plotH - v / top * plotH
-  const groupW = plotW / groups.length
-  const maxBars = Math.max(...groups.map(({ rows }) => rows.length))
-  const barW = Math.min(28, groupW * 0.84 / maxBars)
-  const out: string[] = []
-  out.push(`<svg xmlns="http://www.w3.org/2000/svg" width="${width}" height="${height}" viewBox="0 0 ${width} ${height}" font-family="Helvetica, Arial, sans-serif">`)
-  out.push(`<rect width="${width}" height="${height}" fill="#ffffff"/>`)
-  out.push(`<text x="${margin.left}" y="26" font-size="17" font-weight="bold" fill="#222">${escapeXml(text.title)}</text>`)
-  out.push(`<text x="${margin.left}" y="48" font-size="12" fill="#444">${escapeXml(text.subtitle)}</text>`)
-  out.push(`<text x="${margin.left}" y="66" font-size="12" fill="#444">${escapeXml(text.subtitle2)}</text>`)
-  out.push(`<text x="${margin.left}" y="84" font-size="12" fill="#444">${escapeXml(text.subtitle3)}</text>`)
-  // Grid and y axis.
-  for (let v = 0; v <= top + 1e-9; v += 0.2) {
-    const yy = y(v).toFixed(1)
-    out.push(`<line x1="${margin.left}" x2="${margin.left + plotW}" y1="${yy}" y2="${yy}" stroke="#e4e4e4"/>`)
-    out.push(`<text x="${margin.left - 8}" y="${yy}" font-size="11" fill="#444" text-anchor="end" dominant-baseline="middle">${v.toFixed(1)}</text>`)
+async function measureAll (onRun: (run: Run) => void): Promise<Run[]> {
+  const runs: Run[] = []
+  const record = (run: Run): void => { runs.push(run); onRun(run) }
+  if (!QUICK) {
+    for (const scenario of SCENARIOS) {
+      for (let round = 1; round <= CONFIG.rounds; round++) {
+        for (const setup of scenario.setups) {
+          const instance = await startServer(setup, scenario.payload)
+          try { record(await measure(scenario, instance, round)) } finally { await instance.stop() }
+        }
+      }
+    }
+    return runs
   }
-  out.push(`<line x1="${margin.left}" x2="${margin.left}" y1="${margin.top}" y2="${margin.top + plotH}" stroke="#444"/>`)
-  out.push(`<line x1="${margin.left}" x2="${margin.left + plotW}" y1="${margin.top + plotH}" y2="${margin.top + plotH}" stroke="#444"/>`)
-  out.push(`<text transform="translate(20 ${margin.top + plotH / 2}) rotate(-90)" font-size="13" fill="#222" text-anchor="middle">req/s ÷ bare's req/s (same round)</text>`)
-  // bare = 1.0, under the bars and their labels.
-  out.push(`<line x1="${margin.left}" x2="${margin.left + plotW}" y1="${y(1).toFixed(1)}" y2="${y(1).toFixed(1)}" stroke="#555" stroke-dasharray="6 4"/>`)
-  out.push(`<text x="${margin.left + plotW + 6}" y="${y(1).toFixed(1)}" font-size="11" fill="#555" dominant-baseline="middle">bare = 1.0</text>`)
-  // Bars.
-  groups.forEach(({ scenario, rows }, g) => {
-    const x0 = margin.left + g * groupW + (groupW - rows.length * barW) / 2
-    rows.forEach((row, i) => {
-      const v = row.ratioToBare!
-      const x = x0 + i * barW
-      out.push(`<rect x="${(x + 1).toFixed(1)}" y="${y(v).toFixed(1)}" width="${(barW - 2).toFixed(1)}" height="${(y(0) - y(v)).toFixed(1)}" fill="${COLOURS[row.setup]}"><title>${escapeXml(`${scenario.name} ${row.setup}: ${v.toFixed(2)}× bare, ${Math.round(row.requestsPerSecond)} req/s`)}</title></rect>`)
-      const lx = (x + barW / 2).toFixed(1)
-      const ly = (y(v) - 4).toFixed(1)
-      out.push(`<text transform="translate(${lx} ${ly}) rotate(-90)" font-size="10" fill="#222" dominant-baseline="middle">${v.toFixed(2)}</text>`)
-    })
-    const cx = margin.left + (g + 0.5) * groupW
-    out.push(`<text x="${cx.toFixed(1)}" y="${margin.top + plotH + 20}" font-size="13" fill="#222" text-anchor="middle">${escapeXml(scenario.name)}</text>`)
-    out.push(`<text x="${cx.toFixed(1)}" y="${margin.top + plotH + 36}" font-size="10" fill="#666" text-anchor="middle">${escapeXml(scenario.payload >= 1024 ? `${Math.round(scenario.payload / 1024)} KiB body` : `~${scenario.payload} B body`)}${scenario.connections !== undefined ? `, ${scenario.connections} conn.` : ''}</text>`)
-  })
-  out.push(`<text x="${margin.left + plotW / 2}" y="${height - 12}" font-size="13" fill="#222" text-anchor="middle">scenario</text>`)
-  // Legend.
-  const shown = SETUPS.filter((setup) => setup !== 'bare' && groups.some(({ rows }) => rows.some((row) => row.setup === setup)))
-  const lx = margin.left + plotW + 20
-  out.push(`<text x="${lx}" y="${margin.top + 10}" font-size="12" font-weight="bold" fill="#222">setup</text>`)
-  shown.forEach((setup, i) => {
-    const ly = margin.top + 26 + i * 22
-    out.push(`<rect x="${lx}" y="${ly}" width="14" height="14" fill="${COLOURS[setup]}"/>`)
-    out.push(`<text x="${lx + 20}" y="${ly + 7}" font-size="12" fill="#222" dominant-baseline="middle">${escapeXml(setup)}${setup.startsWith('peer-') ? ' (peer)' : ''}</text>`)
-  })
-  out.push('</svg>')
-  return `${out.join('\n')}\n`
+  const groups = new Map<string, { setup: Setup, payload: number, scenarios: Scenario[] }>()
+  for (const scenario of SCENARIOS) {
+    for (const setup of scenario.setups) {
+      const id = `${setup}/${scenario.payload}`
+      const group = groups.get(id) ?? { setup, payload: scenario.payload, scenarios: [] }
+      group.scenarios.push(scenario)
+      groups.set(id, group)
+    }
+  }
+  for (const { setup, payload, scenarios } of groups.values()) {
+    const instance = await startServer(setup, payload)
+    try {
+      for (const scenario of scenarios) record(await measure(scenario, instance, 1))
+    } finally {
+      await instance.stop()
+    }
+  }
+  return runs
 }
 
 function packageVersion (name: string): string {
@@ -563,39 +507,50 @@ function packageVersion (name: string): string {
 const startedAt = new Date()
 const log = (message: string): void => { process.stderr.write(`[bench] ${message}\n`) }
 try {
-  await createSchema()
-  const database = await describeDatabase()
+  await createBenchSchema(admin, SCHEMA)
+  const database = await describeDatabase(admin)
+  const timing = (t: Timing): string => `${t.warmupSeconds} s warm-up + ${t.durationSeconds} s`
   log(`PostgreSQL ${database.server_version} (fsync=${database.fsync}, synchronous_commit=${database.synchronous_commit}), ` +
-    `${CONFIG.rounds} round(s) × ${CONFIG.durationSeconds} s, ${CONFIG.connections} connections`)
+    `${CONFIG.rounds} round(s); main scenarios ${timing(CONFIG.main)}, scale scenarios ${timing(CONFIG.scale)} per measurement` +
+    `${QUICK ? '; quick: one server per setup and body size' : ''}`)
 
-  const runs: Run[] = []
-  for (const scenario of SCENARIOS) {
-    for (let round = 1; round <= CONFIG.rounds; round++) {
-      for (const setup of scenario.setups) {
-        const run = await measure(scenario, setup, round)
-        runs.push(run)
-        log(`${scenario.name} round ${round} ${setup}: ${run.requestsPerSecond.toLocaleString('en-US')} req/s${run.problems.length > 0 ? `  PROBLEM: ${run.problems.join('; ')}` : ''}`)
-      }
-    }
-  }
+  const runs = await measureAll((run) => {
+    const flags = [
+      run.problems.length > 0 ? `PROBLEM: ${run.problems.join('; ')}` : '',
+      run.warnings.length > 0 ? `warning: ${run.warnings.join('; ')}` : ''
+    ].filter(Boolean).join('  ')
+    log(`${run.scenario} round ${run.round} ${run.setup}: ${run.requestsPerSecond.toLocaleString('en-US')} req/s${flags === '' ? '' : `  ${flags}`}`)
+  })
   addRatios(runs)
 
-  const summaries = SCENARIOS.map((scenario) => ({ scenario, rows: summarise(runs, scenario) }))
+  const summaries = SCENARIOS.map((scenario) => ({ scenario, rows: summarise(runs, scenario.name, scenario.setups) }))
+  const byName: Record<string, Summary[]> = Object.fromEntries(summaries.map(({ scenario, rows }) => [scenario.name, rows]))
+  const ratios = RATIOS.map((pair) => {
+    const value = byName[pair.scenario]?.find((row) => row.setup === pair.setup)?.ratioTo[pair.to]
+    const byRound = runs.filter((run) => run.scenario === pair.scenario && run.setup === pair.setup).map((run) => run.ratioTo[pair.to]).filter((v): v is number => v !== undefined)
+    return { ...pair, name: ratioName(pair), ratio: value ?? null, byRound }
+  })
+  const targets = evaluateTargets(byName)
   const notes = [
-    `Medians over ${CONFIG.rounds} round(s); each ratio is taken within a round, then its median reported.`,
+    `Medians over ${CONFIG.rounds} round(s); each ratio is taken within a round, then its median reported. Main scenarios (fresh, replay, storm): ${timing(CONFIG.main)} per measurement; the scale scenarios (-c1, -c100: connections; -64k, -1m: body size) run ${SCALE_SETUPS.join(', ')} only, ${timing(CONFIG.scale)} per measurement, to keep the whole run within 15 minutes (about 11 on this machine).`,
+    'Every setup\'s POST /pay validates its body with the same JSON schema (amount an integer, currency three capital letters, no other property) and answers the same payment (benchmarks/route.ts); the -64k and -1m bodies are padded with incompressible base64 text.',
     'Latency in µs is the server\'s own (process.hrtime.bigint() from an onRequest hook added before any plugin to an onResponse hook, log-linear histogram under 1% error, reset after the warm-up), with its ratio to bare\'s in the same round; "client ms" is autocannon\'s, whole milliseconds, and includes queueing in the load generator.',
-    `The peer is @node-idempotency/core ${packageVersion('@node-idempotency/core')} with its memory and Redis (node-redis ${packageVersion('redis')}) storage adapters, wired into Fastify by benchmarks/peer-glue.ts (its Fastify adapter is not on the registry): a preHandler calling onRequest() and an onSend calling onResponse(). The glue records only handler responses (the unpublished adapter also re-records replays and its own 409s), which favours the peer.`,
+    'PG stmts/req, PG RT/req, Redis cmds/req, Redis RT/req: "load/seq", counted on the client\'s wire (benchmarks/counting.ts): statements are Execute and simple-Query messages (BEGIN and COMMIT included), Redis commands are ioredis sendCommand calls (peer-redis: its storage calls, one node-redis command each); a round trip is a write after a read on one connection. "load" is over the measured load (it starts on a quiet server; the requests in flight when it stops reach the backends uncounted as requests, so it is high by up to one request\'s statements per connection, noticeable only where few requests fit in a run) (round trips there are a lower bound: concurrent requests\' statements can share a write); "seq" is the probe after it, ' +
+      `${CONFIG.probe.requests} requests one at a time (exact). The targets' counts use "seq", except the storm's and the replays' 0 statements, which use "load".`,
+    `The peer is @node-idempotency/core ${packageVersion('@node-idempotency/core')} with its memory and Redis (node-redis ${packageVersion('redis')}) storage adapters, wired into Fastify by benchmarks/peer-glue.ts, which does what its unpublished Fastify adapter does (it also records replays and its own 409s, as the adapter does); the remaining differences are listed in that file's header.`,
     'Same-backend pairs: memory vs peer-memory (both in-process maps), and pg-redis vs peer-redis, the closest pair but not the same backend: peer-redis keeps everything in Redis (SET NX, then SET), where pg-redis keeps the records in PostgreSQL behind a Redis pre-filter. The peer\'s PostgreSQL adapter is not on the registry, so pg-lease and pg-atomic have no same-backend peer.',
-    `Payloads: the response body is ~${SMALL} bytes, or ${LARGE / 1024} KiB (the payment plus a padding field) in the -64k scenarios, which run only ${LARGE_SETUPS.join(', ')} to bound the run.`,
+    'Floors (no plugin, same pool, same migrate() table, prepared statements): floor-sql = INSERT … ON CONFLICT DO NOTHING claim + UPDATE recording the response (2 statements, autocommit); floor-select = one primary-key SELECT returning the stored body answers a replay; floor-txn = BEGIN, the claim, the same business INSERT as pg-atomic\'s, the UPDATE, COMMIT (5 statements, 5 round trips). pg-atomic and floor-txn are the only setups writing a business row.',
     `Durability: fsync=${database.fsync}, synchronous_commit=${database.synchronous_commit}, full_page_writes=${database.full_page_writes}` +
-      (services !== null ? ' (the throwaway server of scripts/services.mjs: commits are not durable, so absolute figures are above a production server\'s; floor-sql runs under the same settings).' : ' (the server of DATABASE_URL).'),
-    'pg-atomic also inserts one business row per fresh key, in the transaction that holds the claim; no other setup writes one.',
-    'floor-sql answers a replay with two statements (the claim finds the key, then a SELECT); the plugin\'s claim reads the record in the same statement, so the replay ratio to floor-sql is not a floor ratio.',
-    'Load generator, servers and PostgreSQL share the machine\'s cores: expect about ±15% between runs.'
+      (services !== null ? ' (the throwaway server of scripts/services.mjs: commits are not durable, so absolute figures are above a production server\'s; the floors run under the same settings).' : ' (the server of DATABASE_URL).'),
+    'Load generator, servers, PostgreSQL and Redis share the machine\'s cores: expect about ±15% between runs.',
+    ...(QUICK ? ['Quick mode: 1 round of short loads, one server per setup and body size serving its scenarios in turn; the figures only show that everything runs.'] : [])
   ]
+  const ratioLines = ratios.map((r) => `- ${r.name}: ${r.ratio === null ? '—' : r.ratio.toFixed(3)}${r.byRound.length > 1 ? ` (rounds: ${r.byRound.map((v) => v.toFixed(3)).join(' ')})` : ''}`)
   const output = [
-    ...summaries.map(({ scenario, rows }) => table(scenario, rows)),
-    notes.map((note) => `- ${note}`).join('\n')
+    ...summaries.map(({ scenario, rows }) => table(`${scenario.name}: ${scenario.description}`, rows)),
+    notes.map((note) => `- ${note}`).join('\n'),
+    ['ratios (medians of per-round ratios; benchmarks/crosscheck.ts reproduces these with wrk):', ...ratioLines].join('\n'),
+    targetsTable(targets)
   ].join('\n\n')
   process.stdout.write(`${output}\n`)
 
@@ -604,6 +559,7 @@ try {
     benchmark: 'postgres',
     date: startedAt.toISOString(),
     quick: QUICK,
+    filtered: onlyScenarios !== null || onlySetups !== null,
     elapsedSeconds: Math.round((Date.now() - startedAt.getTime()) / 1000),
     machine: {
       cpuModel: cpus[0]?.model ?? 'unknown',
@@ -626,22 +582,32 @@ try {
     database: { provisioned: services !== null ? 'throwaway (scripts/services.mjs)' : 'DATABASE_URL', settings: database },
     config: CONFIG,
     notes,
-    scenarios: Object.fromEntries(summaries.map(({ scenario, rows }) => [scenario.name, { description: scenario.description, setups: rows }])),
+    scenarios: Object.fromEntries(summaries.map(({ scenario, rows }) => [scenario.name, {
+      description: scenario.description,
+      payload: scenario.payload,
+      connections: scenario.connections,
+      timing: scenario.timing,
+      setups: rows
+    }])),
+    ratios,
+    targets,
     runs
   }
   mkdirSync(path.dirname(OUT), { recursive: true })
   writeFileSync(OUT, `${JSON.stringify(result, null, 2)}\n`)
-  writeFileSync(CHART, chart(summaries, {
+  writeFileSync(CHART, chart(summaries.map(({ scenario, rows }) => ({ name: scenario.name, payload: scenario.payload, connections: scenario.connections, rows })), {
     title: `Throughput relative to bare (req/s ÷ bare's, same round; median of ${CONFIG.rounds} round(s)${QUICK ? ', quick mode' : ''})`,
     subtitle: `${result.machine.cores}-core ${result.machine.cpuModel.replace(/\s+/g, ' ').trim()}, ${startedAt.toISOString().slice(0, 10)}; ` +
-      `Node ${process.version.slice(1)}, Fastify ${result.versions.fastify}, PostgreSQL ${database.server_version}`,
+      `Node ${process.version.slice(1)}, Fastify ${result.versions.fastify}, PostgreSQL ${database.server_version}; POST with a JSON body schema`,
     subtitle2: `PostgreSQL durability: fsync=${database.fsync}, synchronous_commit=${database.synchronous_commit}, full_page_writes=${database.full_page_writes}` +
       `${services !== null ? ' (throwaway server: commits not durable)' : ''}`,
-    subtitle3: `peer: @node-idempotency/core ${result.versions.peerCore} (benchmarks/peer-glue.ts); ${CONFIG.connections} connections (storm ${STORM.connections}), ` +
-      `${CONFIG.durationSeconds} s per run, all processes on this one machine`
+    subtitle3: `peer: @node-idempotency/core ${result.versions.peerCore} (benchmarks/peer-glue.ts); storm ${STORM.connections} connections; ` +
+      `${CONFIG.main.durationSeconds} s per run (scale scenarios ${CONFIG.scale.durationSeconds} s), all processes on this one machine`
   }))
   log(`wrote ${path.relative(process.cwd(), OUT)} and ${path.relative(process.cwd(), CHART)} in ${result.elapsedSeconds} s`)
 
+  const warned = runs.filter((run) => run.warnings.length > 0)
+  if (warned.length > 0) log(`${warned.length} run(s) missed a target's count (warnings, not failures): ${warned.map((run) => `${run.scenario}/${run.setup}/${run.round}: ${run.warnings.join('; ')}`).join(' | ')}`)
   const problems = runs.filter((run) => run.problems.length > 0)
   if (problems.length > 0) {
     log(`${problems.length} run(s) had problems: ${problems.map((run) => `${run.scenario}/${run.setup}/${run.round}: ${run.problems.join('; ')}`).join(' | ')}`)

@@ -1,4 +1,4 @@
-import { spawn } from 'node:child_process'
+import { spawn, spawnSync } from 'node:child_process'
 import { mkdtempSync, readFileSync, rmSync, existsSync } from 'node:fs'
 import { tmpdir } from 'node:os'
 import { join } from 'node:path'
@@ -8,14 +8,18 @@ import t from 'tap'
 /**
  * The benchmark scripts start and produce a well-formed result in quick mode. No figure is judged
  * here (performance claims live in the benchmarks, run on a quiet machine); a run fails only when
- * it finds a wrong answer (an error, an execution too many). Uses the suite's DATABASE_URL/REDIS_URL.
+ * it finds a wrong answer (an error, an execution too many, a floor's statement count off: the
+ * counting itself would be wrong). Uses the suite's DATABASE_URL/REDIS_URL.
  */
 
 const root = fileURLToPath(new URL('..', import.meta.url))
+// About 90 s on its own (most of it the quick runs' fixed load durations and server starts), more
+// when another test file shares the two cores: room beyond the suite's 120 s per file.
+t.setTimeout(240_000)
 
-function run (script: string, out: string): Promise<{ code: number | null, output: string }> {
+function run (script: string, extra: string[], env: NodeJS.ProcessEnv = process.env): Promise<{ code: number | null, output: string }> {
   return new Promise((resolve, reject) => {
-    const child = spawn(process.execPath, ['--expose-gc', '--import', 'tsx', script, '--quick', '--out', out], { cwd: root, env: process.env })
+    const child = spawn(process.execPath, ['--expose-gc', '--import', 'tsx', script, '--quick', ...extra], { cwd: root, env })
     let output = ''
     child.stdout.on('data', (chunk: Buffer) => { output += chunk.toString() })
     child.stderr.on('data', (chunk: Buffer) => { output += chunk.toString() })
@@ -24,46 +28,90 @@ function run (script: string, out: string): Promise<{ code: number | null, outpu
   })
 }
 
-t.test('npm run bench -- --quick writes a well-formed result and a chart', async (t) => {
+const SCENARIOS = ['fresh', 'fresh-1m', 'fresh-64k', 'fresh-c1', 'fresh-c100', 'replay', 'replay-1m', 'replay-64k', 'replay-c1', 'replay-c100', 'storm']
+const POSTGRES = new Set(['pg-lease', 'pg-atomic', 'pg-redis', 'floor-sql', 'floor-select', 'floor-txn'])
+
+interface Row {
+  setup: string
+  requestsPerSecond: number
+  errors: number
+  ratioToBare: number | null
+  ratioTo: Record<string, number>
+  p99Us: number
+  pgStatements: number | null
+  probePgStatements: number | null
+  probePgRoundTrips: number | null
+  redisCommands: number | null
+}
+
+const dir = mkdtempSync(join(tmpdir(), 'idem-bench-'))
+t.teardown(() => rmSync(dir, { recursive: true, force: true }))
+const benchOut = join(dir, 'result.json')
+
+t.test('npm run bench -- --quick writes a well-formed result, its targets and a chart', async (t) => {
   if (process.env.DATABASE_URL === undefined || process.env.REDIS_URL === undefined) return t.fail('DATABASE_URL and REDIS_URL must be set (npm test sets them)')
-  const dir = mkdtempSync(join(tmpdir(), 'idem-bench-'))
-  t.teardown(() => rmSync(dir, { recursive: true, force: true }))
-  const out = join(dir, 'result.json')
-  const { code, output } = await run('benchmarks/run.ts', out)
-  t.equal(code, 0, output.slice(-2000))
-  const result = JSON.parse(readFileSync(out, 'utf8')) as { scenarios: Record<string, { setups: Array<Record<string, unknown>> }> }
-  t.same(Object.keys(result.scenarios).sort(), ['fresh', 'fresh-64k', 'replay', 'replay-64k', 'storm'])
+  const { code, output } = await run('benchmarks/run.ts', ['--out', benchOut])
+  t.equal(code, 0, output.slice(-3000))
+  const result = JSON.parse(readFileSync(benchOut, 'utf8')) as {
+    scenarios: Record<string, { setups: Row[] }>
+    ratios: Array<{ name: string, ratio: number | null }>
+    targets: Array<{ id: string, met: boolean | null, measured: string }>
+  }
+  t.same(Object.keys(result.scenarios).sort(), SCENARIOS)
   for (const [name, scenario] of Object.entries(result.scenarios)) {
     t.ok(scenario.setups.some((row) => row.setup === 'bare'), `${name} has its baseline`)
     for (const row of scenario.setups) {
-      t.ok(typeof row.requestsPerSecond === 'number' && row.requestsPerSecond > 0, `${name} ${String(row.setup)}: req/s`)
-      t.equal(row.errors, 0, `${name} ${String(row.setup)}: no errors`)
-      t.type(row.ratioToBare, 'number')
-      t.type(row.p99Us, 'number')
+      const what = `${name} ${row.setup}`
+      t.ok(typeof row.requestsPerSecond === 'number' && row.requestsPerSecond > 0, `${what}: req/s`)
+      t.equal(row.errors, 0, `${what}: no errors`)
+      t.type(row.ratioToBare, 'number', `${what}: ratio to bare`)
+      t.type(row.p99Us, 'number', `${what}: p99`)
+      if (POSTGRES.has(row.setup)) t.type(row.pgStatements, 'number', `${what}: statements counted`)
+      if (POSTGRES.has(row.setup) && name !== 'storm') t.type(row.probePgRoundTrips, 'number', `${what}: round trips probed`)
+      if (row.setup === 'pg-redis' || row.setup === 'peer-redis') t.type(row.redisCommands, 'number', `${what}: Redis commands counted`)
     }
   }
+  // The floors run a known number of statements: the counting itself is checked.
+  const floor = (scenario: string, setup: string): Row | undefined => result.scenarios[scenario]?.setups.find((row) => row.setup === setup)
+  t.equal(floor('fresh', 'floor-sql')?.probePgStatements, 2, 'floor-sql: 2 statements per fresh key')
+  t.equal(floor('fresh', 'floor-txn')?.probePgStatements, 5, 'floor-txn: 5 statements per fresh key')
+  t.equal(floor('fresh', 'floor-txn')?.probePgRoundTrips, 5, 'floor-txn: 5 round trips per fresh key')
+  t.equal(floor('replay', 'floor-select')?.probePgStatements, 1, 'floor-select: 1 statement per replay')
+  t.type(floor('fresh', 'pg-atomic')?.ratioTo['floor-txn'], 'number', 'pg-atomic has its ratio to floor-txn')
+  t.equal(result.ratios.length, 16, 'the ratios the crosscheck reproduces')
+  t.ok(result.ratios.every((r) => typeof r.ratio === 'number'), 'every ratio measured')
+  t.equal(result.targets.length, 18, 'every target of issue 14')
+  t.ok(result.targets.every((target) => typeof target.met === 'boolean'), 'every target judged, met or missed')
+  t.match(output, /^targets: \d+ of 18 measured met/m, 'the targets section is printed')
   t.ok(existsSync(join(dir, 'chart.quick.svg')), 'the chart was written')
   t.match(readFileSync(join(dir, 'chart.quick.svg'), 'utf8'), /^<svg /)
 })
 
 t.test('npm run bench:memory -- --quick writes a well-formed result', async (t) => {
-  const dir = mkdtempSync(join(tmpdir(), 'idem-bench-mem-'))
-  t.teardown(() => rmSync(dir, { recursive: true, force: true }))
   const out = join(dir, 'memory.json')
-  const { code, output } = await run('benchmarks/memory.ts', out)
+  const { code, output } = await run('benchmarks/memory.ts', ['--out', out])
   t.equal(code, 0, output.slice(-2000))
-  const result = JSON.parse(readFileSync(out, 'utf8')) as { capacity: { records: number, rssMiB: number }, steady: Array<{ mode: string, rssMiB: number[] }> }
-  t.ok(result.capacity.records > 0 && result.capacity.rssMiB > 0)
+  type Capacity = { method: string, records: number, rssMiB: number, heapUsedMiB: number, bytesPerRecord: { rss: number, heapUsed: number }, rssFor1MMB: number }
+  const result = JSON.parse(readFileSync(out, 'utf8')) as {
+    capacity: { plugin: Capacity, store: Capacity, target: { maxRssMB: number, met: boolean } }
+    steady: Array<{ mode: string, rssMiB: number[] }>
+  }
+  for (const method of ['plugin', 'store'] as const) {
+    const c = result.capacity[method]
+    t.equal(c.method, method)
+    t.ok(c.records > 0 && c.rssMiB > 0 && c.heapUsedMiB > 0, `${method}: filled and measured`)
+    t.ok(c.bytesPerRecord.heapUsed > 0 && c.rssFor1MMB > 0, `${method}: per record, and for 1M`)
+  }
+  t.equal(result.capacity.target.maxRssMB, 500)
+  t.type(result.capacity.target.met, 'boolean')
   t.same(result.steady.map((run) => run.mode), ['replay', 'fresh-short-ttl'])
-  t.ok(result.steady.every((run) => run.rssMiB.length >= 5), 'RSS was sampled through each run')
+  t.ok(result.steady.every((run) => run.rssMiB.length >= 4), 'RSS was sampled through each run')
 })
 
 t.test('npm run bench:reference -- --quick writes a well-formed result', async (t) => {
   if (process.env.DATABASE_URL === undefined) return t.fail('DATABASE_URL must be set (npm test sets it)')
-  const dir = mkdtempSync(join(tmpdir(), 'idem-bench-ref-'))
-  t.teardown(() => rmSync(dir, { recursive: true, force: true }))
   const out = join(dir, 'reference.json')
-  const { code, output } = await run('benchmarks/reference.ts', out)
+  const { code, output } = await run('benchmarks/reference.ts', ['--out', out])
   t.equal(code, 0, output.slice(-2000))
   const result = JSON.parse(readFileSync(out, 'utf8')) as {
     records: number
@@ -76,4 +124,29 @@ t.test('npm run bench:reference -- --quick writes a well-formed result', async (
   t.ok(result.storage.ref.bodyBytesPerRecord < result.storage.full.bodyBytesPerRecord, 'a reference is smaller than the body it stands for')
   t.type(result.freshRatio, 'number')
   t.type(result.replayRatio, 'number')
+})
+
+t.test('npm run bench:crosscheck says how to install wrk when it is missing', async (t) => {
+  const { code, output } = await run('benchmarks/crosscheck.ts', [], { ...process.env, WRK: join(dir, 'no-such-wrk') })
+  t.equal(code, 2, output)
+  t.match(output, /wrk is not installed/)
+  t.match(output, /apt-get install -y wrk/)
+})
+
+const hasWrk = spawnSync('wrk', ['--version']).error === undefined
+t.test('npm run bench:crosscheck -- --quick reproduces the ratios and compares them with run.ts', { skip: hasWrk ? false : 'wrk is not installed (the missing-wrk message is tested above)' }, async (t) => {
+  if (process.env.DATABASE_URL === undefined || process.env.REDIS_URL === undefined) return t.fail('DATABASE_URL and REDIS_URL must be set (npm test sets them)')
+  const out = join(dir, 'crosscheck.json')
+  const against = existsSync(benchOut) ? ['--against', benchOut] : []
+  const { code, output } = await run('benchmarks/crosscheck.ts', ['--out', out, ...against])
+  t.equal(code, 0, output.slice(-3000))
+  const result = JSON.parse(readFileSync(out, 'utf8')) as {
+    ratios: Array<{ name: string, ratio: number | null }>
+    comparison: Array<{ name: string, crosscheck: number | null, runTs: number | null, flagged: boolean }>
+  }
+  t.equal(result.ratios.length, 16)
+  t.ok(result.ratios.every((r) => typeof r.ratio === 'number'), 'every ratio measured')
+  t.equal(result.comparison.length, 16)
+  if (against.length > 0) t.ok(result.comparison.every((c) => typeof c.runTs === 'number'), 'compared with the run.ts result of the first test')
+  t.match(output, /^comparison with run\.ts/m)
 })

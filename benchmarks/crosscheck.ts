@@ -1,0 +1,349 @@
+/**
+ * The second, independent harness (issue 14): `npm run bench:crosscheck [-- --quick] [--rounds n]
+ * [--duration s] [--only fresh,replay,storm] [--against results.json] [--out file]`.
+ *
+ * Reproduces run.ts's ratios (benchmarks/ratios.ts) with another load generator and other driving
+ * code: wrk (C, epoll, 2 threads; benchmarks/crosscheck.lua makes each request's key), against the
+ * same server processes (benchmarks/server.ts, the same SETUPs, schema and pool), in interleaved
+ * rounds (each round runs every scenario and setup once, then the next round), each ratio the
+ * median of its per-round ratios. Then compares each ratio with the latest run.ts result in
+ * benchmarks/results/ (by its date, a full run's for a full crosscheck; --against for another) and
+ * flags those more than 15% apart.
+ * Every measurement is also checked: no socket error, no status ≥ 400 (but a storm's 409s), one
+ * execution per fresh key, none on replays, one per key in a storm.
+ *
+ * --quick: 1 round of 1 s loads, one server per setup serving its scenarios in turn (what
+ * test/benchmarks.test.ts runs when wrk is installed; its figures only show that it runs).
+ *
+ * A developer tool, not part of `npm test`'s figures (CI has no wrk); without wrk it says how to install it
+ * and exits with status 2 (WRK=/path/to/wrk names another binary). Writes benchmarks/results/crosscheck.json (crosscheck.quick.json with
+ * --quick). Starts a throwaway PostgreSQL and Redis unless DATABASE_URL and REDIS_URL are set.
+ */
+import { spawn, spawnSync, type ChildProcess } from 'node:child_process'
+import { randomBytes } from 'node:crypto'
+import { existsSync, mkdirSync, readdirSync, readFileSync, writeFileSync } from 'node:fs'
+import os from 'node:os'
+import path from 'node:path'
+import { createInterface } from 'node:readline'
+import { fileURLToPath } from 'node:url'
+import { parseArgs } from 'node:util'
+import postgres from 'postgres'
+import { median, RATIOS, ratioName, setupsOf, type RatioPair } from './ratios.js'
+import { BODY } from './route.js'
+import { createBenchSchema, describeDatabase, truncateBenchSchema } from './schema.js'
+
+const ROOT = fileURLToPath(new URL('..', import.meta.url))
+const RESULTS = path.join(ROOT, 'benchmarks', 'results')
+const LUA = path.join(ROOT, 'benchmarks', 'crosscheck.lua')
+
+const { values: args } = parseArgs({
+  options: {
+    quick: { type: 'boolean', default: false },
+    rounds: { type: 'string' },
+    duration: { type: 'string' },
+    against: { type: 'string' },
+    only: { type: 'string' },
+    out: { type: 'string' }
+  }
+})
+const QUICK = args.quick === true
+const ROUNDS = QUICK ? 1 : Number(args.rounds ?? 3)
+/** wrk takes whole seconds. */
+const SECONDS = Number(args.duration ?? (QUICK ? 1 : 4))
+const WARMUP_SECONDS = QUICK ? 0 : 1
+const THREADS = 2
+const CONNECTIONS = 10
+const STORM = { connections: 200, keys: 20 }
+const REPLAY_KEYS = 100
+const TOLERANCE = 0.15
+const OUT = args.out ?? path.join(RESULTS, QUICK ? 'crosscheck.quick.json' : 'crosscheck.json')
+
+/** The wrk binary: WRK, or wrk on the PATH. */
+const WRK = process.env.WRK ?? 'wrk'
+const wrk = spawnSync(WRK, ['--version'], { encoding: 'utf8' })
+if (wrk.error !== undefined) {
+  process.stderr.write(`[crosscheck] wrk is not installed (${WRK}: ${(wrk.error as NodeJS.ErrnoException).code ?? wrk.error.message}; it is not in CI either): the crosscheck needs it as its load generator.\n` +
+    '[crosscheck] Install it with `apt-get install -y wrk` (Debian/Ubuntu) and run `npm run bench:crosscheck` again.\n')
+  process.exit(2)
+}
+const wrkVersion = `${wrk.stdout}${wrk.stderr}`.split('\n')[0]?.trim() ?? 'wrk'
+
+type Mode = RatioPair['scenario']
+interface Measurement {
+  round: number
+  scenario: Mode
+  setup: string
+  requestsPerSecond: number
+  requests: number
+  errors: { connect: number, read: number, write: number, status: number, timeout: number }
+  p50Us: number
+  p99Us: number
+  executions: number
+  problems: string[]
+}
+
+// --- services and servers -----------------------------------------------------------------------
+
+interface Services { env: Record<string, string>, stop: (() => Promise<void>) & { sync: () => void } }
+let services: Services | null = null
+const children = new Set<ChildProcess>()
+process.once('exit', () => { for (const child of children) child.kill('SIGKILL'); services?.stop.sync() })
+process.once('SIGINT', () => process.exit(130))
+process.once('SIGTERM', () => process.exit(143))
+
+if (!process.env.DATABASE_URL || !process.env.REDIS_URL) {
+  const { startServices } = await import(new URL('../scripts/services.mjs', import.meta.url).href) as {
+    startServices: (options: { redis: boolean, redisCluster: boolean }) => Promise<Services>
+  }
+  services = await startServices({ redis: true, redisCluster: false })
+}
+const DATABASE_URL = services?.env.DATABASE_URL ?? process.env.DATABASE_URL ?? ''
+const REDIS_URL = services?.env.REDIS_URL ?? process.env.REDIS_URL ?? ''
+const SCHEMA = `cross_${randomBytes(4).toString('hex')}`
+const admin = postgres(DATABASE_URL, { max: 1, onnotice: () => {} })
+
+/** A benchmark server (server.ts) for `setup`; resolves once it listens, with its URL and a stop. */
+function serve (setup: string): Promise<{ url: string, stop: () => Promise<void> }> {
+  const child = spawn(process.execPath, ['--import', 'tsx', path.join(ROOT, 'benchmarks', 'server.ts')], {
+    cwd: ROOT,
+    env: { ...process.env, SETUP: setup, DATABASE_URL, REDIS_URL, BENCH_SCHEMA: SCHEMA, BENCH_POOL_MAX: '10', BENCH_PAYLOAD: '200' },
+    stdio: ['ignore', 'pipe', 'inherit']
+  })
+  children.add(child)
+  const exit = new Promise<void>((resolve) => child.once('exit', () => { children.delete(child); resolve() }))
+  return new Promise((resolve, reject) => {
+    child.once('exit', (code) => reject(new Error(`server ${setup} exited (${code}) before listening`)))
+    createInterface({ input: child.stdout! }).on('line', (line) => {
+      const port = /^\{"port":(\d+)\}$/.exec(line)?.[1]
+      if (port === undefined) return
+      resolve({ url: `http://127.0.0.1:${port}`, stop: async () => { child.kill('SIGTERM'); await exit } })
+    })
+  })
+}
+
+async function executions (url: string): Promise<number> {
+  return ((await (await fetch(`${url}/stats`)).json()) as { executions: number }).executions
+}
+
+/** Numbers the wrk runs: each run's fresh keys are its own (crosscheck.lua). */
+let wrkRuns = 0
+
+/** One wrk run: its summary line (crosscheck.lua's done()). */
+function runWrk (url: string, mode: Mode, tag: string, seconds: number, connections: number): Promise<Omit<Measurement, 'round' | 'scenario' | 'setup' | 'executions' | 'problems'>> {
+  return new Promise((resolve, reject) => {
+    const child = spawn(WRK, ['-t', String(THREADS), '-c', String(connections), '-d', `${seconds}s`, '--timeout', '10s', '-s', LUA, `${url}/pay`], {
+      env: { ...process.env, CROSSCHECK_MODE: mode, CROSSCHECK_TAG: tag, CROSSCHECK_RUN: String(wrkRuns++), CROSSCHECK_KEYS: String(mode === 'storm' ? STORM.keys : REPLAY_KEYS), CROSSCHECK_BODY: BODY },
+      stdio: ['ignore', 'pipe', 'inherit']
+    })
+    children.add(child)
+    let output = ''
+    child.stdout.on('data', (chunk: Buffer) => { output += chunk.toString() })
+    child.once('exit', (code) => {
+      children.delete(child)
+      const line = /^CROSSCHECK (\{.*\})$/m.exec(output)?.[1]
+      if (code !== 0 || line === undefined) return reject(new Error(`wrk exited with ${code}: ${output}`))
+      const s = JSON.parse(line) as { requests: number, durationUs: number, connect: number, read: number, write: number, status: number, timeout: number, p50Us: number, p99Us: number }
+      resolve({
+        requestsPerSecond: Math.round(s.requests / (s.durationUs / 1e6)),
+        requests: s.requests,
+        errors: { connect: s.connect, read: s.read, write: s.write, status: s.status, timeout: s.timeout },
+        p50Us: s.p50Us,
+        p99Us: s.p99Us
+      })
+    })
+  })
+}
+
+/** The keys a replay measurement cycles over, completed through the server before it is loaded. */
+async function completeReplayKeys (url: string, tag: string): Promise<void> {
+  for (let i = 0; i < REPLAY_KEYS; i++) {
+    const response = await fetch(`${url}/pay`, { method: 'POST', headers: { 'content-type': 'application/json', 'idempotency-key': `"r-${i}-${tag}"` }, body: BODY })
+    await response.arrayBuffer()
+    if (response.status !== 201) throw new Error(`completing replay key ${i}: ${response.status}`)
+  }
+}
+
+type Server = Awaited<ReturnType<typeof serve>>
+
+async function measure (round: number, scenario: Mode, setup: string, server: Server): Promise<Measurement> {
+  await truncateBenchSchema(admin, SCHEMA)
+  const tag = randomBytes(4).toString('hex')
+  const connections = scenario === 'storm' ? STORM.connections : CONNECTIONS
+  if (scenario === 'replay') await completeReplayKeys(server.url, tag)
+  const initial = await executions(server.url)
+  if (WARMUP_SECONDS > 0) await runWrk(server.url, scenario, tag, WARMUP_SECONDS, connections)
+  const before = await executions(server.url)
+  const run = await runWrk(server.url, scenario, tag, SECONDS, connections)
+  const after = await executions(server.url)
+  const problems: string[] = []
+  const { connect, read, write, timeout, status } = run.errors
+  if (connect + read + write + timeout > 0) problems.push(`socket errors ${JSON.stringify(run.errors)}`)
+  if (status > 0 && scenario !== 'storm') problems.push(`${status} responses with a status ≥ 400`)
+  const executed = after - before
+  if (setup !== 'bare') {
+    // wrk stops with requests in flight, which still execute: up to one per connection, twice.
+    if (scenario === 'fresh' && Math.abs(executed - run.requests) > 2 * connections) problems.push(`${executed} executions for ${run.requests} fresh keys`)
+    if (scenario === 'replay' && executed !== 0) problems.push(`${executed} executions during replays`)
+    if (scenario === 'storm' && after - initial !== STORM.keys) problems.push(`${after - initial} executions for ${STORM.keys} keys`)
+  }
+  // The peer's adapter runs the handler for a replay whose client disconnected (peer-glue.ts):
+  // reported, not a failure of the harness.
+  const tolerated = setup.startsWith('peer-') && scenario !== 'fresh'
+  return { round, scenario, setup, ...run, executions: executed, problems: tolerated ? problems.map((p) => `${p} (the peer's adapter: see peer-glue.ts)`) : problems }
+}
+
+/**
+ * Every measurement, in order: each round runs every scenario and setup once, each in a new server.
+ * --quick: one server per setup, serving its scenarios in turn (tables emptied in between).
+ */
+async function measureAll (plan: Array<{ scenario: Mode, setups: string[] }>, onMeasured: (m: Measurement) => void): Promise<Measurement[]> {
+  const measurements: Measurement[] = []
+  const once = async (round: number, scenario: Mode, setup: string, server: Server): Promise<void> => {
+    const m = await measure(round, scenario, setup, server)
+    measurements.push(m)
+    onMeasured(m)
+  }
+  if (QUICK) {
+    const setups = [...new Set(plan.flatMap((p) => p.setups))]
+    for (const setup of setups) {
+      const server = await serve(setup)
+      try {
+        for (const { scenario } of plan.filter((p) => p.setups.includes(setup))) await once(1, scenario, setup, server)
+      } finally {
+        await server.stop()
+      }
+    }
+    return measurements
+  }
+  for (let round = 1; round <= ROUNDS; round++) {
+    for (const { scenario, setups } of plan) {
+      for (const setup of setups) {
+        const server = await serve(setup)
+        try { await once(round, scenario, setup, server) } finally { await server.stop() }
+      }
+    }
+  }
+  return measurements
+}
+
+// --- the comparison ------------------------------------------------------------------------------
+
+interface RunTsResult { path: string, date: string, quick: boolean, ratios: Map<string, number> }
+
+/** The latest run.ts result (by its date; a full one for a full crosscheck), or --against. */
+function latestRunTs (): RunTsResult | null {
+  const files = args.against !== undefined
+    ? [path.resolve(args.against)]
+    : existsSync(RESULTS) ? readdirSync(RESULTS).filter((f) => f.endsWith('.json')).map((f) => path.join(RESULTS, f)) : []
+  const found: RunTsResult[] = []
+  for (const file of files) {
+    let json: { benchmark?: string, date?: string, quick?: boolean, ratios?: Array<{ name: string, ratio: number | null }>, scenarios?: Record<string, { setups: Array<{ setup: string, ratioTo?: Record<string, number> }> }> }
+    try { json = JSON.parse(readFileSync(file, 'utf8')) } catch { continue }
+    if (json.benchmark !== 'postgres' || typeof json.date !== 'string') continue
+    const ratios = new Map<string, number>()
+    for (const pair of RATIOS) {
+      const listed = json.ratios?.find((r) => r.name === ratioName(pair))?.ratio
+      const fromRows = json.scenarios?.[pair.scenario]?.setups.find((row) => row.setup === pair.setup)?.ratioTo?.[pair.to]
+      const value = listed ?? fromRows
+      if (typeof value === 'number') ratios.set(ratioName(pair), value)
+    }
+    found.push({ path: file, date: json.date, quick: json.quick === true, ratios })
+  }
+  // A full crosscheck is compared with a full run when there is one, not with a later quick one.
+  const comparable = QUICK ? found : found.filter((r) => !r.quick)
+  const candidates = comparable.length > 0 ? comparable : found
+  candidates.sort((a, b) => b.date.localeCompare(a.date))
+  return candidates[0] ?? null
+}
+
+function pad (rows: string[][]): string {
+  const widths = rows[0]!.map((_, i) => Math.max(...rows.map((r) => r[i]!.length)))
+  const line = (cells: string[]): string => `| ${cells.map((c, i) => i === 0 ? c.padEnd(widths[i]!) : c.padStart(widths[i]!)).join(' | ')} |`
+  return [line(rows[0]!), `|${widths.map((w, i) => i === 0 ? `:${'-'.repeat(w + 1)}` : `${'-'.repeat(w + 1)}:`).join('|')}|`, ...rows.slice(1).map(line)].join('\n')
+}
+
+// --- main ---------------------------------------------------------------------------------------
+
+const log = (message: string): void => { process.stderr.write(`[crosscheck] ${message}\n`) }
+const startedAt = new Date()
+try {
+  await createBenchSchema(admin, SCHEMA)
+  const database = await describeDatabase(admin)
+  const only = args.only?.split(',').map((s) => s.trim())
+  const plan: Array<{ scenario: Mode, setups: string[] }> = (['fresh', 'replay', 'storm'] as const)
+    .filter((scenario) => only === undefined || only.includes(scenario))
+    .map((scenario) => ({ scenario, setups: setupsOf(scenario) }))
+  log(`${wrkVersion}; ${ROUNDS} interleaved round(s), ${WARMUP_SECONDS} s warm-up + ${SECONDS} s per measurement, ${THREADS} threads, ${CONNECTIONS} connections (storm ${STORM.connections})`)
+  const measurements = await measureAll(plan, (m) => {
+    log(`round ${m.round} ${m.scenario} ${m.setup}: ${m.requestsPerSecond.toLocaleString('en-US')} req/s${m.problems.length > 0 ? `  PROBLEM: ${m.problems.join('; ')}` : ''}`)
+  })
+
+  const find = (round: number, scenario: Mode, setup: string): Measurement | undefined => measurements.find((m) => m.round === round && m.scenario === scenario && m.setup === setup)
+  const ratios = RATIOS.map((pair) => {
+    const byRound: number[] = []
+    for (let round = 1; round <= ROUNDS; round++) {
+      const a = find(round, pair.scenario, pair.setup)
+      const b = find(round, pair.scenario, pair.to)
+      if (a !== undefined && b !== undefined) byRound.push(Math.round(a.requestsPerSecond / b.requestsPerSecond * 1000) / 1000)
+    }
+    return { ...pair, name: ratioName(pair), ratio: byRound.length > 0 ? median(byRound) : null, byRound }
+  })
+
+  const rows = [['scenario / setup', 'req/s (median)', 'p50 µs', 'p99 µs', 'req/s by round']]
+  for (const { scenario, setups } of plan) {
+    for (const setup of setups) {
+      const mine = measurements.filter((m) => m.scenario === scenario && m.setup === setup)
+      rows.push([`${scenario} / ${setup}`, Math.round(median(mine.map((m) => m.requestsPerSecond))).toLocaleString('en-US'),
+        String(median(mine.map((m) => m.p50Us))), String(median(mine.map((m) => m.p99Us))), mine.map((m) => m.requestsPerSecond.toLocaleString('en-US')).join(' ')])
+    }
+  }
+
+  const reference = latestRunTs()
+  const comparison = ratios.map((r) => {
+    const theirs = reference?.ratios.get(r.name) ?? null
+    const difference = theirs === null || r.ratio === null ? null : Math.round((r.ratio / theirs - 1) * 1000) / 1000
+    return { name: r.name, crosscheck: r.ratio, runTs: theirs, difference, flagged: difference !== null && Math.abs(difference) > TOLERANCE }
+  })
+  const compareRows = [['ratio', 'crosscheck (wrk)', 'run.ts (autocannon)', 'difference', '']]
+  for (const c of comparison) {
+    compareRows.push([c.name, c.crosscheck?.toFixed(3) ?? '—', c.runTs?.toFixed(3) ?? '—',
+      c.difference === null ? '—' : `${c.difference >= 0 ? '+' : ''}${(c.difference * 100).toFixed(1)}%`,
+      c.difference === null ? 'not compared' : c.flagged ? `DIFFERS by more than ${TOLERANCE * 100}%` : 'agrees'])
+  }
+  const flagged = comparison.filter((c) => c.flagged)
+  const compared = comparison.filter((c) => c.difference !== null)
+  process.stdout.write([
+    `crosscheck: wrk against benchmarks/server.ts, ${ROUNDS} interleaved round(s), medians of per-round ratios${QUICK ? ' (quick mode: figures only show that it runs)' : ''}`,
+    pad(rows),
+    ['ratios:', ...ratios.map((r) => `- ${r.name}: ${r.ratio === null ? '—' : r.ratio.toFixed(3)}${r.byRound.length > 1 ? ` (rounds: ${r.byRound.map((v) => v.toFixed(3)).join(' ')})` : ''}`)].join('\n'),
+    reference === null
+      ? 'comparison: no run.ts result in benchmarks/results/ (run `npm run bench` first, or pass --against)'
+      : `comparison with run.ts (${path.relative(ROOT, reference.path)}, ${reference.date}${reference.quick ? ', a quick run' : ''}): ` +
+        `${compared.length - flagged.length} of ${compared.length} ratios agree within ±${TOLERANCE * 100}%${flagged.length > 0 ? `; ${flagged.length} differ: ${flagged.map((c) => c.name).join(', ')}` : ''}\n${pad(compareRows)}`
+  ].join('\n\n') + '\n')
+
+  mkdirSync(path.dirname(OUT), { recursive: true })
+  writeFileSync(OUT, `${JSON.stringify({
+    benchmark: 'crosscheck',
+    date: startedAt.toISOString(),
+    quick: QUICK,
+    elapsedSeconds: Math.round((Date.now() - startedAt.getTime()) / 1000),
+    machine: { cpuModel: os.cpus()[0]?.model ?? 'unknown', cores: os.cpus().length, loadAverageAtStart: os.loadavg() },
+    versions: { node: process.version, wrk: wrkVersion, postgresServer: database.server_version },
+    config: { rounds: ROUNDS, seconds: SECONDS, warmupSeconds: WARMUP_SECONDS, threads: THREADS, connections: CONNECTIONS, storm: STORM, replayKeys: REPLAY_KEYS, tolerance: TOLERANCE },
+    reference: reference === null ? null : { path: path.relative(ROOT, reference.path), date: reference.date, quick: reference.quick },
+    ratios,
+    comparison,
+    measurements
+  }, null, 2)}\n`)
+  log(`wrote ${path.relative(process.cwd(), OUT)} in ${Math.round((Date.now() - startedAt.getTime()) / 1000)} s`)
+  const failed = measurements.filter((m) => m.problems.length > 0 && !(m.setup.startsWith('peer-') && m.scenario !== 'fresh'))
+  if (failed.length > 0) {
+    log(`${failed.length} measurement(s) had problems`)
+    process.exitCode = 1
+  }
+} finally {
+  await admin`DROP SCHEMA IF EXISTS ${admin(SCHEMA)} CASCADE`.catch(() => {})
+  await admin.end({ timeout: 2 })
+  await services?.stop()
+}
