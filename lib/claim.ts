@@ -51,8 +51,8 @@ function claimFor (engine: Engine, request: FastifyRequest, reply: FastifyReply,
   // `sql` (atomic mode) is typed by the Postgres entry point's augmentation of IdempotencyContext.
   request.idempotency = state.context as IdempotencyContext
   const claim: ClaimRequest = { scope: state.scope, key: state.key, fingerprint, leaseMs: settings.lease, ttlMs: settings.ttl }
-  const sync = engine.store.sync
-  if (sync !== undefined && engine.prefilter === null && settings.wait === 0 && !settings.transaction) {
+  const sync = engine.sync
+  if (sync !== null && engine.prefilter === null && settings.wait === 0 && !settings.transaction) {
     let result: ClaimResult
     try {
       result = sync.claim(claim)

@@ -3,12 +3,14 @@ import type { RequestState } from './context.js'
 import { sendProblem, type ProblemAnswer, type ProblemBodies, type ProblemOptions } from './problems.js'
 import type { Metrics } from './observe.js'
 import type { IdempotencyPrefilter } from './prefilter.js'
-import type { IdempotencyStore } from './store.js'
+import type { IdempotencyStore, SyncOperations } from './store.js'
 import type { Waiters } from './waiters.js'
 
 /** What every hook of one plugin registration shares. */
 export interface Engine {
   readonly store: IdempotencyStore
+  /** The store's synchronous twins (lib/store.ts), read once at registration, or null. */
+  readonly sync: SyncOperations | null
   readonly prefilter: IdempotencyPrefilter | null
   readonly waiters: Waiters
   readonly problems: ProblemBodies

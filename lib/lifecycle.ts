@@ -97,8 +97,6 @@ export class Lifecycle implements Scheduled {
   get lease (): Lease | null { return this.#lease }
   /** Atomic mode: the lease holds an open transaction (committed by complete, rolled back by release). */
   get transactional (): boolean { return this.#transactional }
-  /** A renewal was refused: another attempt owns the key now. */
-  get lost (): boolean { return this.#lost }
 
   /** parsed → owner. Lease mode: renewal starts. */
   own (engine: Engine, result: ClaimAcquired): void {

@@ -38,6 +38,7 @@ export const idempotencyPlugin: FastifyPluginCallback<IdempotencyOptions> = func
   const atRest = sealAtRest(global.encryption, store, options.prefilter ?? null)
   const engine: Engine = {
     store: atRest.store,
+    sync: atRest.store.sync ?? null,
     prefilter: atRest.prefilter,
     waiters: new Waiters(),
     problems: buildProblemBodies(problemOptions),

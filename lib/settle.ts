@@ -88,8 +88,8 @@ function settle (engine: Engine, reply: FastifyReply, state: RequestState, paylo
 
 /** Records `response`, then hands `sent` back: at once through the store's synchronous complete, else once record() is done. */
 function recordThen (engine: Engine, state: RequestState, response: StoredResponse, sent: unknown): unknown {
-  const sync = engine.store.sync
-  if (sync !== undefined) {
+  const sync = engine.sync
+  if (sync !== null) {
     const since = Date.now()
     let completed: boolean | null = null
     // A throw is treated as a failed attempt: record() below tries again, with its delays.
