@@ -30,6 +30,7 @@ import { parseArgs } from 'node:util'
 import postgres from 'postgres'
 import { median, RATIOS, ratioName, setupsOf, type RatioPair } from './ratios.js'
 import { BODY } from './route.js'
+import { benchServices } from './services.js'
 import { createBenchSchema, describeDatabase, truncateBenchSchema } from './schema.js'
 
 const ROOT = fileURLToPath(new URL('..', import.meta.url))
@@ -84,21 +85,10 @@ interface Measurement {
 
 // --- services and servers -----------------------------------------------------------------------
 
-interface Services { env: Record<string, string>, stop: (() => Promise<void>) & { sync: () => void } }
-let services: Services | null = null
 const children = new Set<ChildProcess>()
-process.once('exit', () => { for (const child of children) child.kill('SIGKILL'); services?.stop.sync() })
-process.once('SIGINT', () => process.exit(130))
-process.once('SIGTERM', () => process.exit(143))
-
-if (!process.env.DATABASE_URL || !process.env.REDIS_URL) {
-  const { startServices } = await import(new URL('../scripts/services.mjs', import.meta.url).href) as {
-    startServices: (options: { redis: boolean, redisCluster: boolean }) => Promise<Services>
-  }
-  services = await startServices({ redis: true, redisCluster: false })
-}
-const DATABASE_URL = services?.env.DATABASE_URL ?? process.env.DATABASE_URL ?? ''
-const REDIS_URL = services?.env.REDIS_URL ?? process.env.REDIS_URL ?? ''
+const services = await benchServices(() => { for (const child of children) child.kill('SIGKILL') })
+const DATABASE_URL = services.databaseUrl
+const REDIS_URL = services.redisUrl
 const SCHEMA = `cross_${randomBytes(4).toString('hex')}`
 const admin = postgres(DATABASE_URL, { max: 1, onnotice: () => {} })
 
@@ -345,5 +335,5 @@ try {
 } finally {
   await admin`DROP SCHEMA IF EXISTS ${admin(SCHEMA)} CASCADE`.catch(() => {})
   await admin.end({ timeout: 2 })
-  await services?.stop()
+  await services.stop()
 }

@@ -37,6 +37,7 @@ import postgres from 'postgres'
 import { chart } from './chart.js'
 import { RATIOS, ratioName } from './ratios.js'
 import { BODY } from './route.js'
+import { benchServices } from './services.js'
 import { createBenchSchema, describeDatabase, truncateBenchSchema } from './schema.js'
 import { addRatios, SETUPS, summarise, table, type Counts, type Latency, type PerRequest, type Run, type Setup, type Summary } from './summary.js'
 import { evaluateTargets, targetsTable } from './targets.js'
@@ -258,24 +259,10 @@ const SCENARIOS = ALL_SCENARIOS
 
 // --- the services ------------------------------------------------------------------------------
 
-interface Services { env: Record<string, string>, stop: (() => Promise<void>) & { sync: () => void } }
-let services: Services | null = null
 let server: ChildProcess | null = null
-// Synchronous teardown on any exit (services' stop.sync), so ^C leaves no PostgreSQL behind.
-process.once('exit', () => { server?.kill('SIGKILL'); services?.stop.sync() })
-process.once('SIGINT', () => process.exit(130))
-process.once('SIGTERM', () => process.exit(143))
-
-if (!process.env.DATABASE_URL || !process.env.REDIS_URL) {
-  // It starts only what is not already given by DATABASE_URL / REDIS_URL.
-  // Imported through a computed specifier: services.mjs is plain JS without type declarations.
-  const { startServices } = await import(new URL('../scripts/services.mjs', import.meta.url).href) as {
-    startServices: (options: { redis: boolean, redisCluster: boolean }) => Promise<Services>
-  }
-  services = await startServices({ redis: true, redisCluster: false })
-}
-const DATABASE_URL = services?.env.DATABASE_URL ?? process.env.DATABASE_URL ?? ''
-const REDIS_URL = services?.env.REDIS_URL ?? process.env.REDIS_URL ?? ''
+const services = await benchServices(() => { server?.kill('SIGKILL') })
+const DATABASE_URL = services.databaseUrl
+const REDIS_URL = services.redisUrl
 const SCHEMA = `bench_${randomBytes(4).toString('hex')}`
 const admin = postgres(DATABASE_URL, { max: 2, onnotice: () => {} })
 
@@ -541,7 +528,7 @@ try {
     'Same-backend pairs: memory vs peer-memory (both in-process maps), and pg-redis vs peer-redis, the closest pair but not the same backend: peer-redis keeps everything in Redis (SET NX, then SET), where pg-redis keeps the records in PostgreSQL behind a Redis pre-filter. The peer\'s PostgreSQL adapter is not on the registry, so pg-lease and pg-atomic have no same-backend peer.',
     'Floors (no plugin, same pool, same migrate() table, prepared statements): floor-sql = INSERT … ON CONFLICT DO NOTHING claim + UPDATE recording the response (2 statements, autocommit); floor-select = one primary-key SELECT returning the stored body answers a replay; floor-txn = BEGIN, the claim, the same business INSERT as pg-atomic\'s, the UPDATE, COMMIT (5 statements, 5 round trips). pg-atomic and floor-txn are the only setups writing a business row.',
     `Durability: fsync=${database.fsync}, synchronous_commit=${database.synchronous_commit}, full_page_writes=${database.full_page_writes}` +
-      (services !== null ? ' (the throwaway server of scripts/services.mjs: commits are not durable, so absolute figures are above a production server\'s; the floors run under the same settings).' : ' (the server of DATABASE_URL).'),
+      (services.provisioned ? ' (the throwaway server of scripts/services.mjs: commits are not durable, so absolute figures are above a production server\'s; the floors run under the same settings).' : ' (the server of DATABASE_URL).'),
     'Load generator, servers, PostgreSQL and Redis share the machine\'s cores: expect about ±15% between runs.',
     ...(QUICK ? ['Quick mode: 1 round of short loads, one server per setup and body size serving its scenarios in turn; the figures only show that everything runs.'] : [])
   ]
@@ -579,7 +566,7 @@ try {
       peerStorageRedis: packageVersion('@node-idempotency/storage-adapter-redis'),
       redisClientOfPeer: packageVersion('redis')
     },
-    database: { provisioned: services !== null ? 'throwaway (scripts/services.mjs)' : 'DATABASE_URL', settings: database },
+    database: { provisioned: services.provisioned ? 'throwaway (scripts/services.mjs)' : 'DATABASE_URL', settings: database },
     config: CONFIG,
     notes,
     scenarios: Object.fromEntries(summaries.map(({ scenario, rows }) => [scenario.name, {
@@ -600,7 +587,7 @@ try {
     subtitle: `${result.machine.cores}-core ${result.machine.cpuModel.replace(/\s+/g, ' ').trim()}, ${startedAt.toISOString().slice(0, 10)}; ` +
       `Node ${process.version.slice(1)}, Fastify ${result.versions.fastify}, PostgreSQL ${database.server_version}; POST with a JSON body schema`,
     subtitle2: `PostgreSQL durability: fsync=${database.fsync}, synchronous_commit=${database.synchronous_commit}, full_page_writes=${database.full_page_writes}` +
-      `${services !== null ? ' (throwaway server: commits not durable)' : ''}`,
+      `${services.provisioned ? ' (throwaway server: commits not durable)' : ''}`,
     subtitle3: `peer: @node-idempotency/core ${result.versions.peerCore} (benchmarks/peer-glue.ts); storm ${STORM.connections} connections; ` +
       `${CONFIG.main.durationSeconds} s per run (scale scenarios ${CONFIG.scale.durationSeconds} s), all processes on this one machine`
   }))
@@ -616,5 +603,5 @@ try {
 } finally {
   await admin`DROP SCHEMA IF EXISTS ${admin(SCHEMA)} CASCADE`.catch(() => {})
   await admin.end({ timeout: 2 })
-  await services?.stop()
+  await services.stop()
 }

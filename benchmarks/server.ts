@@ -264,25 +264,14 @@ const SETUPS: Record<string, () => Promise<void>> = {
       const body = request.body as PayBody
       const token = randomUUID()
       const recorded = await sql.begin(async (tx) => {
-        const claimed = await tx`
-          INSERT INTO ${tx(schema)}.floor_records
-            (scope, key, fingerprint, fingerprint_algorithm, state, owner_token, lease_expires_at, expires_at)
-          VALUES (${SCOPE}, ${key}, ${fingerprint}, 'sha256', 'in_progress', ${token},
-                  now() + ${LEASE_MS}::float8 * interval '1 millisecond', now() + ${TTL_MS}::float8 * interval '1 millisecond')
-          ON CONFLICT (scope, key) DO NOTHING
-          RETURNING true`.values()
-        if (claimed.length === 0) return null
+        if (!await floorClaim(tx, schema, key, fingerprint, token)) return null
         const [row] = await tx`
           INSERT INTO ${tx(schema)}.payments (idempotency_key, amount, currency)
           VALUES (${key}, ${body.amount}, ${body.currency})
           RETURNING id`.values()
         executions++
         const response = Buffer.from(JSON.stringify(payment(String(row?.[0]), body)))
-        await tx`
-          UPDATE ${tx(schema)}.floor_records
-          SET state = 'completed', response_status = ${201}, response_headers = ${tx.json(RECORDED_HEADERS)}::jsonb,
-              response_body = ${response}, lease_expires_at = NULL, expires_at = now() + ${TTL_MS}::float8 * interval '1 millisecond'
-          WHERE scope = ${SCOPE} AND key = ${key} AND owner_token = ${token} AND state = 'in_progress'`
+        await floorComplete(tx, schema, key, token, response)
         return response
       })
       if (recorded === null) await floor.replay(key, fingerprint, reply)
@@ -303,6 +292,27 @@ function fingerprintOf (request: FastifyRequest): Buffer {
   return createHash('sha256').update(request.method).update(request.url).update(JSON.stringify(request.body)).digest()
 }
 
+/** The floors' claim: one INSERT … ON CONFLICT DO NOTHING, in autocommit or in `handle`'s transaction. True when it claimed. */
+async function floorClaim (handle: postgres.Sql | postgres.TransactionSql, schema: string, key: string, fingerprint: Buffer, token: string): Promise<boolean> {
+  const claimed = await handle`
+    INSERT INTO ${handle(schema)}.floor_records
+      (scope, key, fingerprint, fingerprint_algorithm, state, owner_token, lease_expires_at, expires_at)
+    VALUES (${SCOPE}, ${key}, ${fingerprint}, 'sha256', 'in_progress', ${token},
+            now() + ${LEASE_MS}::float8 * interval '1 millisecond', now() + ${TTL_MS}::float8 * interval '1 millisecond')
+    ON CONFLICT (scope, key) DO NOTHING
+    RETURNING true`.values()
+  return claimed.length > 0
+}
+
+/** The floors' completing UPDATE, fenced by the owner token as the plugin's is. */
+async function floorComplete (handle: postgres.Sql | postgres.TransactionSql, schema: string, key: string, token: string, body: Buffer): Promise<void> {
+  await handle`
+    UPDATE ${handle(schema)}.floor_records
+    SET state = 'completed', response_status = ${201}, response_headers = ${handle.json(RECORDED_HEADERS)}::jsonb,
+        response_body = ${body}, lease_expires_at = NULL, expires_at = now() + ${TTL_MS}::float8 * interval '1 millisecond'
+    WHERE scope = ${SCOPE} AND key = ${key} AND owner_token = ${token} AND state = 'in_progress'`
+}
+
 /**
  * The floors' statements, shared so that each floor runs exactly the same text. Each sends its
  * answer and resolves to whether it did: never to the reply, a thenable that would make the
@@ -313,20 +323,9 @@ function floorStatements (sql: postgres.Sql, schema: string) {
     /** Claims and runs a fresh key (2 statements); false when the key is already there. */
     async fresh (key: string, fingerprint: Buffer, request: PayBody, reply: FastifyReply): Promise<boolean> {
       const token = randomUUID()
-      const claimed = await sql`
-        INSERT INTO ${sql(schema)}.floor_records
-          (scope, key, fingerprint, fingerprint_algorithm, state, owner_token, lease_expires_at, expires_at)
-        VALUES (${SCOPE}, ${key}, ${fingerprint}, 'sha256', 'in_progress', ${token},
-                now() + ${LEASE_MS}::float8 * interval '1 millisecond', now() + ${TTL_MS}::float8 * interval '1 millisecond')
-        ON CONFLICT (scope, key) DO NOTHING
-        RETURNING true`.values()
-      if (claimed.length === 0) return false
+      if (!await floorClaim(sql, schema, key, fingerprint, token)) return false
       const body = Buffer.from(JSON.stringify(payment(++executions, request)))
-      await sql`
-        UPDATE ${sql(schema)}.floor_records
-        SET state = 'completed', response_status = ${201}, response_headers = ${sql.json(RECORDED_HEADERS)}::jsonb,
-            response_body = ${body}, lease_expires_at = NULL, expires_at = now() + ${TTL_MS}::float8 * interval '1 millisecond'
-        WHERE scope = ${SCOPE} AND key = ${key} AND owner_token = ${token} AND state = 'in_progress'`
+      await floorComplete(sql, schema, key, token, body)
       void reply.code(201).headers(RECORDED_HEADERS).send(body)
       return true
     },
