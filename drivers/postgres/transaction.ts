@@ -160,10 +160,11 @@ async function claimWithin (
 ): Promise<ClaimResult> {
   const args = { ...request, token }
   const lease = { scope: request.scope, key: request.key, token }
+  const setLockTimeout = lockTimeoutStatement(request.waitMs)
   for (let round = 0; round < MAX_CLAIM_ROUNDS; round++) {
     // postgres.js sends a query when it is first awaited: execute() puts this one on the wire
     // before the claim (whose async function sends its statement as soon as it is called).
-    const setTimeoutQuery = tx`select set_config('lock_timeout', ${`${Math.max(1, request.waitMs)}ms`}, true)`.execute()
+    const setTimeoutQuery = tx.unsafe(setLockTimeout).execute()
     const [, result] = await Promise.all([
       setTimeoutQuery,
       statements.claim(args),
@@ -185,6 +186,20 @@ async function claimWithin (
       : { outcome: 'in_progress', fingerprint: record.fingerprint, leaseRemainingMs: record.leaseRemainingMs }
   }
   throw new Error(`fastify-idempotency: the postgres store could not settle a claim in ${MAX_CLAIM_ROUNDS} rounds`)
+}
+
+/**
+ * `SET LOCAL`, not `set_config(…, true)`: the same setting on plain PostgreSQL, but Citus forwards
+ * SET LOCAL commands to the workers holding the row (with `citus.propagate_set_commands = 'local'`)
+ * and never a function call, so there the bound would not reach the lock it is meant to bound.
+ * SET takes no bind parameters: the value is written into the text, hence an integer checked here.
+ */
+function lockTimeoutStatement (waitMs: number): string {
+  if (typeof waitMs !== 'number' || Number.isNaN(waitMs) || waitMs < 0) {
+    throw new TypeError(`fastify-idempotency: claimInTransaction needs waitMs to be a number of milliseconds >= 0, received ${String(waitMs)}`)
+  }
+  // 0 would mean "wait forever" to PostgreSQL; the setting is an int4 of milliseconds.
+  return `set local lock_timeout = ${Math.min(2_147_483_647, Math.max(1, Math.ceil(waitMs)))}`
 }
 
 /**
