@@ -34,7 +34,12 @@ export const NEVER_REPLAYED: ReadonlySet<string> = new Set([
   'idempotent-replayed'
 ])
 
-/** Picks the replayable headers out of the response headers (names are already lower case). */
+/**
+ * Picks the replayable headers out of the response headers (names are already lower case). An
+ * array is copied: the reply's own array stays the reply's, so a hook that later appends to it in
+ * place (onSend, onResponse), or a handler that reuses a module-level array, cannot rewrite what
+ * was recorded (issue 16, finding 2).
+ */
 export function pickReplayHeaders (
   headers: Readonly<Record<string, string | number | string[] | undefined>>,
   replayable: ReadonlySet<string>
@@ -43,7 +48,16 @@ export function pickReplayHeaders (
   for (const name of replayable) {
     const value = headers[name]
     if (value === undefined) continue
-    picked[name] = typeof value === 'number' ? String(value) : value
+    picked[name] = typeof value === 'number' ? String(value) : Array.isArray(value) ? [...value] : value
   }
   return picked
+}
+
+/**
+ * A recorded header value as handed to a reply: Fastify keeps the value it is given, and the reply's
+ * hooks may mutate it in place, so an array gets a copy of its own. A store's record (or a header
+ * set the memory store shares between records, across scopes) is never what a reply holds.
+ */
+export function replyValue (value: string | readonly string[]): string | string[] {
+  return typeof value === 'string' ? value : [...value]
 }

@@ -1,4 +1,5 @@
 import type { FastifyReply, FastifyRequest } from 'fastify'
+import { replyValue } from './headers.js'
 import type { StoredResponse } from './store.js'
 
 /*
@@ -55,7 +56,7 @@ export async function sendRebuilt (rebuild: RebuildFunction, request: FastifyReq
     throw new TypeError('fastify-idempotency: rebuild(reference, request) must return { body, statusCode?, headers? }')
   }
   reply.code(rebuilt.statusCode ?? response.statusCode)
-  for (const name in response.headers) if (name !== REFERENCE_HEADER) reply.header(name, response.headers[name])
+  for (const name in response.headers) if (name !== REFERENCE_HEADER) reply.header(name, replyValue(response.headers[name] as string | string[]))
   for (const name in rebuilt.headers ?? {}) reply.header(name, rebuilt.headers?.[name])
   return reply.send(rebuilt.body)
 }
