@@ -48,6 +48,13 @@ export function isReference (response: StoredResponse): boolean {
   return response.headers[REFERENCE_HEADER] !== undefined
 }
 
+/** The recorded replayable headers of a reference record, without its marker field. */
+export function withoutMarker (headers: StoredResponse['headers']): Record<string, string | string[]> {
+  const recorded: Record<string, string | string[]> = {}
+  for (const name in headers) if (name !== REFERENCE_HEADER) recorded[name] = headers[name] as string | string[]
+  return recorded
+}
+
 /** Answers a replay of a reference record (the caller has set Idempotent-Replayed). */
 export async function sendRebuilt (rebuild: RebuildFunction, request: FastifyRequest, reply: FastifyReply, response: StoredResponse): Promise<FastifyReply> {
   const reference: unknown = JSON.parse((response.body as Buffer).toString('utf8'))
