@@ -6,6 +6,7 @@ import {
   canonicalFingerprint, customFingerprint, finishRawHash, fingerprintsEqual, startRawHash
 } from './fingerprint.js'
 import { SealedResponseError } from './encryption.js'
+import { replyValue } from './headers.js'
 import { RequestContext } from './recovery.js'
 import { scopeOf } from './scope.js'
 import { isThenable } from './thenable.js'
@@ -212,7 +213,7 @@ function replay (engine: Engine, request: FastifyRequest, reply: FastifyReply, s
   observe(engine.metrics, state, 'replayed', 'debug', 'idempotency: replayed the recorded response')
   reply.code(response.statusCode)
   const headers = response.headers
-  for (const name in headers) reply.header(name, headers[name])
+  for (const name in headers) reply.header(name, replyValue(headers[name] as string | string[]))
   // Not in the draft; the de facto marker (Stripe, Increase; ietf-wg-httpapi/idempotency#46).
   reply.header('idempotent-replayed', 'true')
   // An original without a body had no Content-Type either; sending nothing keeps it that way.

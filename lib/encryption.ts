@@ -1,7 +1,7 @@
 import { createCipheriv, createDecipheriv, randomBytes } from 'node:crypto'
 import type { Keyring } from './keyring.js'
 import type { IdempotencyPrefilter, PrefilterHit } from './prefilter.js'
-import type { ClaimResult, IdempotencyStore, RecordId, StoredRecord, StoredResponse } from './store.js'
+import type { ClaimResult, Fingerprint, IdempotencyStore, Lease, RecordId, StoredRecord, StoredResponse } from './store.js'
 
 /*
  * Encryption at rest of recorded responses (ietf-wg-httpapi/idempotency#40: a stored response is
@@ -10,15 +10,22 @@ import type { ClaimResult, IdempotencyStore, RecordId, StoredRecord, StoredRespo
  *
  * A sealed StoredResponse still satisfies the interface:
  * - `statusCode` stays in clear: operators read it, and the 410 "not retained" answer reports it;
- * - `headers` is `{ [SEALED_HEADER]: 'v1.<key id>' }`;
+ * - `headers` is `{ [SEALED_HEADER]: 'v2.<key id>' }`;
  * - `body` is iv (12) | GCM tag (16) | AES-256-GCM(u32 length of the headers' JSON | that JSON | body).
  * A record whose body was not retained keeps `body: null` (drivers and the 410 path rely on it);
- * its sealed headers then travel in the marker itself: `'v1.<key id>.<base64url(iv | tag | ciphertext)>'`.
+ * its sealed headers then travel in the marker itself: `'v2.<key id>.<base64url(iv | tag | ciphertext)>'`.
  *
- * The additional authenticated data binds the ciphertext to its record (scope, key), its status
- * code, whether the body was retained, the format and the key id, each length-prefixed so no two
- * tuples encode alike: a sealed response copied onto another key or scope, or given another
- * status, fails to open instead of replaying someone else's answer.
+ * The additional authenticated data binds the ciphertext to its record (scope, key), the request
+ * it answers (the fingerprint's algorithm and digest, format v2), its status code, whether the body
+ * was retained, the format and the key id, each length-prefixed so no two tuples encode alike: a
+ * sealed response copied onto another key or scope, re-attached to another request's fingerprint
+ * (so that request would get it instead of a 422, draft §2.7), or given another status, fails to
+ * open instead of replaying someone else's answer.
+ *
+ * Format v1 (0.1) had the same layout without the fingerprint in its additional data. Such a record,
+ * and a record stored in clear, opens only when the keyring accepts it (EncryptionOptions.acceptV1,
+ * acceptUnsealed: migration settings, off by default). Anything refused is a SealedResponseError:
+ * the plugin answers 503, never a re-execution, since the record says the operation ran.
  */
 
 /**
@@ -27,7 +34,9 @@ import type { ClaimResult, IdempotencyStore, RecordId, StoredRecord, StoredRespo
  * carries it was sealed by this module.
  */
 export const SEALED_HEADER = 'fastify-idempotency/sealed'
-const FORMAT = 'v1'
+const FORMAT = 'v2'
+/** Opened for migration only (Keyring.acceptV1): its seal does not cover the fingerprint. */
+const FORMAT_V1 = 'v1'
 const CIPHER = 'aes-256-gcm'
 /** NIST SP 800-38D §8.2: 96-bit random IVs, fresh for every seal. */
 const IV_BYTES = 12
@@ -49,8 +58,8 @@ export class SealedResponseError extends Error {
   }
 }
 
-/** Encrypts a response's headers and body under the keyring's current key, bound to record `id`. */
-export function sealResponse (keyring: Keyring, id: RecordId, response: StoredResponse): StoredResponse {
+/** Encrypts a response's headers and body under the keyring's current key, bound to record `id` and the request's `fingerprint`. */
+export function sealResponse (keyring: Keyring, id: RecordId, fingerprint: Fingerprint, response: StoredResponse): StoredResponse {
   if (Object.hasOwn(response.headers, SEALED_HEADER)) {
     throw new TypeError(`fastify-idempotency: a response to record cannot carry the reserved field ${SEALED_HEADER}`)
   }
@@ -61,7 +70,7 @@ export function sealResponse (keyring: Keyring, id: RecordId, response: StoredRe
   length.writeUInt32BE(headers.length)
   const iv = randomBytes(IV_BYTES)
   const cipher = createCipheriv(CIPHER, key, iv, { authTagLength: TAG_BYTES })
-  cipher.setAAD(additionalData(kid, id, response.statusCode, retained))
+  cipher.setAAD(additionalData(FORMAT, kid, id, fingerprint, response.statusCode, retained))
   const encrypted = [cipher.update(length), cipher.update(headers), cipher.update(response.body ?? EMPTY), cipher.final()]
   const sealed = Buffer.concat([iv, cipher.getAuthTag(), ...encrypted])
   return retained
@@ -70,17 +79,27 @@ export function sealResponse (keyring: Keyring, id: RecordId, response: StoredRe
 }
 
 /**
- * The response `sealResponse` sealed for record `id`. A response without the marker was recorded
- * before encryption was enabled and is returned as it is (the migration path); anything sealed
- * that does not open throws SealedResponseError.
+ * The response `sealResponse` sealed for record `id` and the request fingerprint the record holds.
+ * Throws SealedResponseError for anything that does not open, and for what the keyring does not
+ * accept: a record stored in clear (without the marker: written before encryption was enabled, or
+ * planted by someone who can write to the store) unless `acceptUnsealed`, and a v1 record unless
+ * `acceptV1`.
  */
-export function openResponse (keyring: Keyring, id: RecordId, response: StoredResponse): StoredResponse {
+export function openResponse (keyring: Keyring, id: RecordId, fingerprint: Fingerprint, response: StoredResponse): StoredResponse {
   const marker = response.headers[SEALED_HEADER]
-  if (marker === undefined) return response
+  if (marker === undefined) {
+    if (keyring.acceptUnsealed) return response
+    throw new SealedResponseError('it is stored in clear while encryption is on (written before encryption was enabled, or planted in the store); ' +
+      'set encryption.acceptUnsealed while records from before encryption still live')
+  }
   // Fields next to the marker would be unauthenticated: a sealed record never has any.
   if (typeof marker !== 'string' || Object.keys(response.headers).length !== 1) throw new SealedResponseError('its marker is malformed')
   const [format, kid, detached, ...extra] = marker.split('.')
-  if (format !== FORMAT) throw new SealedResponseError(`its format "${format ?? ''}" is not ${FORMAT}`)
+  if (format === FORMAT_V1 && !keyring.acceptV1) {
+    throw new SealedResponseError('it is sealed in format v1, whose seal does not cover the request fingerprint; ' +
+      'set encryption.acceptV1 while records sealed before the upgrade still live')
+  }
+  if (format !== FORMAT && format !== FORMAT_V1) throw new SealedResponseError(`its format "${format ?? ''}" is not ${FORMAT}`)
   const retained = response.body !== null
   if (kid === undefined || extra.length > 0 || (detached === undefined) !== retained) throw new SealedResponseError('its marker is malformed')
   const key = keyring.byId.get(kid)
@@ -89,13 +108,13 @@ export function openResponse (keyring: Keyring, id: RecordId, response: StoredRe
   const sealed = response.body ?? Buffer.from(detached ?? '', 'base64url')
   if (sealed.length < IV_BYTES + TAG_BYTES + 4) throw new SealedResponseError('it is truncated')
   const decipher = createDecipheriv(CIPHER, key, sealed.subarray(0, IV_BYTES), { authTagLength: TAG_BYTES })
-  decipher.setAAD(additionalData(kid, id, response.statusCode, retained))
+  decipher.setAAD(additionalData(format, kid, id, fingerprint, response.statusCode, retained))
   decipher.setAuthTag(sealed.subarray(IV_BYTES, IV_BYTES + TAG_BYTES))
   let plain: Buffer
   try {
     plain = Buffer.concat([decipher.update(sealed.subarray(IV_BYTES + TAG_BYTES)), decipher.final()])
   } catch {
-    throw new SealedResponseError(`it fails authentication under key id "${kid}" (altered, or copied from another record)`)
+    throw new SealedResponseError(`it fails authentication under key id "${kid}" (altered, or copied from another record or request)`)
   }
   // Authenticated: these bytes are exactly what sealResponse wrote.
   const headersEnd = 4 + plain.readUInt32BE(0)
@@ -119,10 +138,17 @@ export function sealAtRest (keyring: Keyring | null, store: IdempotencyStore, pr
  * `store` with `complete` sealing and `claim`, `claimInTransaction` and `get` opening. Every other
  * member (`release`, `renew`, a driver's own extras, optional methods added later) is the store's
  * own, reached through a Proxy, so the decorator never hides a capability the store has.
+ *
+ * `complete` is given a lease, not the fingerprint its seal must cover: the fingerprint the lease
+ * was claimed with is kept for it (weakly: a lease that is never completed is dropped with it).
  */
 export function encryptedStore (keyring: Keyring, store: IdempotencyStore): IdempotencyStore {
-  const openClaim = (id: RecordId, result: ClaimResult): ClaimResult =>
-    result.outcome === 'completed' ? { ...result, response: openResponse(keyring, id, result.response) } : result
+  const claimedWith = new WeakMap<Lease, Fingerprint>()
+  const openClaim = (request: RecordId & { readonly fingerprint: Fingerprint }, result: ClaimResult): ClaimResult => {
+    if (result.outcome === 'acquired') claimedWith.set(result.lease, request.fingerprint)
+    // The record's own fingerprint: a seal that does not cover it does not open.
+    return result.outcome === 'completed' ? { ...result, response: openResponse(keyring, request, result.fingerprint, result.response) } : result
+  }
   return decorate<IdempotencyStore>(store, {
     async claim (request) {
       return openClaim(request, await store.claim(request))
@@ -132,11 +158,13 @@ export function encryptedStore (keyring: Keyring, store: IdempotencyStore): Idem
       return openClaim(request, await (store.claimInTransaction as NonNullable<IdempotencyStore['claimInTransaction']>)(request))
     },
     async complete (lease, response, ttlMs) {
-      return store.complete(lease, sealResponse(keyring, lease, response), ttlMs)
+      const fingerprint = claimedWith.get(lease)
+      if (fingerprint === undefined) throw new TypeError('fastify-idempotency: the encrypting store completes only leases it handed out (its claim binds the seal to the request fingerprint)')
+      return store.complete(lease, sealResponse(keyring, lease, fingerprint, response), ttlMs)
     },
     async get (id) {
       const record: StoredRecord | null = await store.get(id)
-      return record?.state === 'completed' ? { ...record, response: openResponse(keyring, id, record.response) } : record
+      return record?.state === 'completed' ? { ...record, response: openResponse(keyring, id, record.fingerprint, record.response) } : record
     }
   }, UNSEALED)
 }
@@ -147,7 +175,7 @@ export function encryptedStore (keyring: Keyring, store: IdempotencyStore): Idem
  */
 export function encryptedPrefilter (keyring: Keyring, prefilter: IdempotencyPrefilter): IdempotencyPrefilter {
   const openHit = (id: RecordId, hit: PrefilterHit | null): PrefilterHit | null =>
-    hit?.state === 'completed' ? { ...hit, response: openResponse(keyring, id, hit.response) } : hit
+    hit?.state === 'completed' ? { ...hit, response: openResponse(keyring, id, hit.fingerprint, hit.response) } : hit
   return decorate<IdempotencyPrefilter>(prefilter, {
     async lookup (id) {
       return openHit(id, await prefilter.lookup(id))
@@ -158,7 +186,7 @@ export function encryptedPrefilter (keyring: Keyring, prefilter: IdempotencyPref
       return { hit: openHit(id, looked.hit), marked: looked.marked }
     },
     async remember (id, fingerprint, response, ttlMs) {
-      return prefilter.remember(id, fingerprint, sealResponse(keyring, id, response), ttlMs)
+      return prefilter.remember(id, fingerprint, sealResponse(keyring, id, fingerprint, response), ttlMs)
     }
   })
 }
@@ -199,13 +227,17 @@ function decorate<T extends object> (inner: T, overrides: Partial<T>, hidden: Re
   })
 }
 
-/** Length-prefixed (u32 BE) fields; scope and key as UTF-16LE, which encodes every JS string injectively. */
-function additionalData (kid: string, id: RecordId, statusCode: number, retained: boolean): Buffer {
+/**
+ * Length-prefixed (u32 BE) fields; scope, key and the fingerprint's algorithm as UTF-16LE, which
+ * encodes every JS string injectively. v2 appends the fingerprint; v1 is what 0.1 authenticated.
+ */
+function additionalData (format: typeof FORMAT | typeof FORMAT_V1, kid: string, id: RecordId, fingerprint: Fingerprint, statusCode: number, retained: boolean): Buffer {
   const fields = [
-    Buffer.from(AAD_DOMAIN), Buffer.from(FORMAT), Buffer.from(kid),
+    Buffer.from(AAD_DOMAIN), Buffer.from(format), Buffer.from(kid),
     Buffer.from(id.scope, 'utf16le'), Buffer.from(id.key, 'utf16le'),
     Buffer.from(String(statusCode)), Buffer.from(retained ? 'retained' : 'not-retained')
   ]
+  if (format === FORMAT) fields.push(Buffer.from(fingerprint.algorithm, 'utf16le'), Buffer.from(fingerprint.digest))
   const parts: Buffer[] = []
   for (const field of fields) {
     const length = Buffer.allocUnsafe(4)

@@ -24,18 +24,37 @@ export interface EncryptionKey {
  */
 export interface EncryptionOptions {
   readonly keys: readonly EncryptionKey[]
+  /**
+   * Replays records stored in clear, as records written before `encryption` was enabled. Off, such
+   * a record is refused (503, never a re-execution): with it on, anyone who can write to the store
+   * can plant an answer the plugin replays as genuine. A migration setting: on while records from
+   * before encryption still live (one `ttl` after enabling it), then off. @defaultValue false
+   */
+  readonly acceptUnsealed?: boolean
+  /**
+   * Opens records sealed in format v1 (fastify-idempotency 0.1), whose seal does not cover the
+   * request fingerprint: a v1 answer re-attached to another request's fingerprint would still open.
+   * Off, such a record is refused (503, never a re-execution). A migration setting: on for one
+   * `ttl` after upgrading from 0.1, then off. @defaultValue false
+   */
+  readonly acceptV1?: boolean
 }
 
 /** The validated keys: `current` seals, every key in `byId` (current included) opens. */
 export interface Keyring {
   readonly current: { readonly id: string, readonly key: KeyObject }
   readonly byId: ReadonlyMap<string, KeyObject>
+  /** Records without the sealed marker are replayed as they are (EncryptionOptions.acceptUnsealed). */
+  readonly acceptUnsealed: boolean
+  /** Records sealed in format v1 open (EncryptionOptions.acceptV1). */
+  readonly acceptV1: boolean
 }
 
 export const KEY_BYTES = 32
 /** No `.`: the sealed marker uses it as its separator. Bounded: the id is stored with every record. */
 const KEY_ID = /^[A-Za-z0-9_-]{1,32}$/
 const OPTION = 'option "encryption"'
+const PROPERTIES = ['keys', 'acceptUnsealed', 'acceptV1']
 
 /**
  * Validates the `encryption` option once, at registration. Errors never show key material (a key
@@ -43,7 +62,9 @@ const OPTION = 'option "encryption"'
  */
 export function resolveKeyring (value: unknown): Keyring {
   if (!isPlainObject(value)) throw refuse(OPTION, '{ keys: [{ id, key }, ...] }', value)
-  if (Object.keys(value).some((name) => name !== 'keys')) throw refuse(OPTION, 'an object with the single property "keys"', value)
+  if (Object.keys(value).some((name) => !PROPERTIES.includes(name))) throw refuse(OPTION, `an object with the properties ${PROPERTIES.join(', ')}`, value)
+  const acceptUnsealed = flag(`${OPTION}.acceptUnsealed`, value.acceptUnsealed)
+  const acceptV1 = flag(`${OPTION}.acceptV1`, value.acceptV1)
   const keys = value.keys
   if (!Array.isArray(keys) || keys.length === 0) {
     throw refuse(`${OPTION}.keys`, 'a non-empty array of { id, key } (the first one encrypts)', keys)
@@ -73,7 +94,13 @@ export function resolveKeyring (value: unknown): Keyring {
     byId.set(id, secret)
     current ??= Object.freeze({ id, key: secret })
   }
-  return Object.freeze({ current: current as Keyring['current'], byId })
+  return Object.freeze({ current: current as Keyring['current'], byId, acceptUnsealed, acceptV1 })
+}
+
+function flag (option: string, value: unknown): boolean {
+  if (value === undefined) return false
+  if (typeof value !== 'boolean') throw refuse(option, 'true or false', value)
+  return value
 }
 
 function isPlainObject (value: unknown): value is Record<string, unknown> {

@@ -1,7 +1,7 @@
 import type { FastifyRequest } from 'fastify'
 import { InvalidOptionError } from './errors.js'
 import type { FingerprintFunction, FingerprintOption } from './fingerprint.js'
-import { DEFAULT_REPLAY_HEADERS, NEVER_REPLAYED } from './headers.js'
+import { DEFAULT_REPLAY_HEADERS, isSensitiveHeader, NEVER_REPLAYED } from './headers.js'
 import type { KeyFormat } from './key.js'
 import { resolveKeyring, type EncryptionOptions, type Keyring } from './keyring.js'
 import type { RebuildFunction } from './reference.js'
@@ -53,8 +53,20 @@ export interface RouteIdempotencyOptions {
   record?: RecordRule
   /** Bodies larger than this are not retained; a retry then gets a 410 problem, never a re-execution. @defaultValue 1_048_576 */
   maxResponseBytes?: number
-  /** Response headers recorded and replayed (case-insensitive). @defaultValue see DEFAULT_REPLAY_HEADERS */
+  /**
+   * Response headers recorded and replayed (case-insensitive). Credential, cookie and security-policy
+   * headers (SENSITIVE_HEADERS, every `access-control-*`) are refused: see `unsafeReplayHeaders`.
+   * @defaultValue see DEFAULT_REPLAY_HEADERS
+   */
   replayHeaders?: readonly string[]
+  /**
+   * DANGEROUS. Credential, cookie or security-policy headers recorded and replayed in addition to
+   * `replayHeaders`: every retry of the key, by whichever client sends it within its scope, gets
+   * the value the original answer carried (a challenge, a session, a policy computed for another
+   * origin or moment). Only for a value that is the same for every caller of the key. Set-Cookie,
+   * hop-by-hop and per-message headers stay refused. @defaultValue none
+   */
+  unsafeReplayHeaders?: readonly string[]
   /** What a store failure does: `'fail'` answers 503; `'bypass'` runs the handler unprotected and logs it. @defaultValue 'fail' */
   onStoreError?: 'fail' | 'bypass'
   /** A store call slower than this counts as a store failure, in ms. @defaultValue 5_000 */
@@ -161,7 +173,11 @@ export interface RouteSettings {
   readonly fingerprint: ResolvedFingerprint
   readonly record: RecordRule
   readonly maxResponseBytes: number
+  /** What is recorded and replayed: `listedReplayHeaders` and `unsafeReplayHeaders` together. */
   readonly replayHeaders: ReadonlySet<string>
+  /** The `replayHeaders` option as resolved (inherited separately from the forced ones). */
+  readonly listedReplayHeaders: ReadonlySet<string>
+  readonly unsafeReplayHeaders: ReadonlySet<string>
   readonly onStoreError: 'fail' | 'bypass'
   readonly storeTimeout: number
   readonly retryAfter: number
@@ -186,7 +202,7 @@ export interface GlobalSettings {
 
 const ROUTE_OPTION_NAMES = [
   'scope', 'required', 'ttl', 'lease', 'maxOwnership', 'wait', 'maxKeyLength', 'keyFormat', 'fingerprint', 'record',
-  'maxResponseBytes', 'replayHeaders', 'onStoreError', 'storeTimeout', 'retryAfter', 'transaction', 'rebuild'
+  'maxResponseBytes', 'replayHeaders', 'unsafeReplayHeaders', 'onStoreError', 'storeTimeout', 'retryAfter', 'transaction', 'rebuild'
 ] as const
 const GLOBAL_OPTION_NAMES = new Set<string>([...ROUTE_OPTION_NAMES, 'store', 'prefilter', 'methods', 'problemTypeBase', 'docsUrl', 'encryption', 'statusRoute', 'profile', 'openapi', 'metrics', 'onEarlierRoutes', 'allowEmptyScope'])
 const ROUTE_ONLY = new Set<string>(ROUTE_OPTION_NAMES)
@@ -210,6 +226,8 @@ const DEFAULT_ROUTE: RouteSettings = Object.freeze({
   record: (statusCode: number) => statusCode < 500 && statusCode !== 429,
   maxResponseBytes: 1024 * 1024,
   replayHeaders: new Set(DEFAULT_REPLAY_HEADERS),
+  listedReplayHeaders: new Set(DEFAULT_REPLAY_HEADERS),
+  unsafeReplayHeaders: new Set<string>(),
   onStoreError: 'fail',
   storeTimeout: 5_000,
   retryAfter: 1,
@@ -283,7 +301,7 @@ function mergeRouteOptions (base: RouteSettings, options: RouteIdempotencyOption
     fingerprint: options.fingerprint === undefined ? base.fingerprint : resolveFingerprint(name('fingerprint'), options.fingerprint),
     record: options.record === undefined ? base.record : fn(name('record'), options.record),
     maxResponseBytes: integerOption(name('maxResponseBytes'), options.maxResponseBytes, base.maxResponseBytes, 0, Number.MAX_SAFE_INTEGER, 'bytes'),
-    replayHeaders: options.replayHeaders === undefined ? base.replayHeaders : resolveReplayHeaders(name('replayHeaders'), options.replayHeaders),
+    ...replayHeaderSettings(base, options, name),
     onStoreError: options.onStoreError === undefined ? base.onStoreError : oneOf(name('onStoreError'), options.onStoreError, ['fail', 'bypass']),
     storeTimeout: integerOption(name('storeTimeout'), options.storeTimeout, base.storeTimeout, 1, MAX_TIMER_MS, 'milliseconds'),
     retryAfter: integerOption(name('retryAfter'), options.retryAfter, base.retryAfter, 0, 86_400, 'seconds'),
@@ -339,7 +357,25 @@ function resolveMethods (value: unknown): ReadonlySet<string> {
   return methods
 }
 
-function resolveReplayHeaders (name: string, value: unknown): ReadonlySet<string> {
+/**
+ * `replayHeaders` and `unsafeReplayHeaders`, each inherited on its own (a route that sets one keeps
+ * the other from the registration), and the set that is recorded: both together.
+ */
+function replayHeaderSettings (base: RouteSettings, options: RouteIdempotencyOptions, name: (option: string) => string): Pick<RouteSettings, 'replayHeaders' | 'listedReplayHeaders' | 'unsafeReplayHeaders'> {
+  if (options.replayHeaders === undefined && options.unsafeReplayHeaders === undefined) {
+    return { replayHeaders: base.replayHeaders, listedReplayHeaders: base.listedReplayHeaders, unsafeReplayHeaders: base.unsafeReplayHeaders }
+  }
+  const listed = options.replayHeaders === undefined ? base.listedReplayHeaders : resolveReplayHeaders(name('replayHeaders'), options.replayHeaders, false)
+  const unsafe = options.unsafeReplayHeaders === undefined ? base.unsafeReplayHeaders : resolveReplayHeaders(name('unsafeReplayHeaders'), options.unsafeReplayHeaders, true)
+  return { replayHeaders: new Set([...listed, ...unsafe]), listedReplayHeaders: listed, unsafeReplayHeaders: unsafe }
+}
+
+/**
+ * Header names, lower-cased. Never the NEVER_REPLAYED set. `replayHeaders` (unsafe false) refuses
+ * credential, cookie and security-policy headers; `unsafeReplayHeaders` (unsafe true) takes only
+ * those, so the list of forced headers is exactly the list of risks taken.
+ */
+function resolveReplayHeaders (name: string, value: unknown, unsafe: boolean): ReadonlySet<string> {
   if (!Array.isArray(value)) throw new InvalidOptionError(name, 'an array of header names', value)
   const headers = new Set<string>()
   for (const header of value) {
@@ -347,6 +383,15 @@ function resolveReplayHeaders (name: string, value: unknown): ReadonlySet<string
     const lower = header.toLowerCase()
     if (NEVER_REPLAYED.has(lower)) {
       throw new InvalidOptionError(name, `free of headers that are never replayed (${[...NEVER_REPLAYED].join(', ')})`, header)
+    }
+    if (!unsafe && isSensitiveHeader(lower)) {
+      throw new InvalidOptionError(name,
+        'free of credential, cookie and security-policy headers (authorization, www-authenticate, authentication-info, cookie, ' +
+        'strict-transport-security, content-security-policy, clear-site-data, alt-svc, access-control-*, ...): a replay would hand ' +
+        'the original caller\'s value to whoever retries the key. List it in unsafeReplayHeaders to replay it anyway', header)
+    }
+    if (unsafe && !isSensitiveHeader(lower)) {
+      throw new InvalidOptionError(name, 'only credential, cookie or security-policy headers (an ordinary header belongs in replayHeaders)', header)
     }
     headers.add(lower)
   }

@@ -172,7 +172,7 @@ async function reconcilePass (source: ReconcileSource, settings: ResolvedReconci
       let applied: boolean
       switch (resolution.action) {
         case 'complete':
-          applied = await source.complete(lease, sealed(settings.keyring, lease, storedResponse(resolution.response)), settings.ttl)
+          applied = await source.complete(lease, sealed(settings.keyring, lease, held.fingerprint, storedResponse(resolution.response)), settings.ttl)
           if (applied) report.completed++
           break
         case 'release':
@@ -200,8 +200,9 @@ async function reconcilePass (source: ReconcileSource, settings: ResolvedReconci
   return report
 }
 
-function sealed (keyring: Keyring | null, id: RecordId, response: StoredResponse): StoredResponse {
-  return keyring === null ? response : sealResponse(keyring, id, response)
+/** Sealed for the record and the fingerprint it holds, as the plugin's own complete would (lib/encryption.ts). */
+function sealed (keyring: Keyring | null, id: RecordId, fingerprint: Fingerprint, response: StoredResponse): StoredResponse {
+  return keyring === null ? response : sealResponse(keyring, id, fingerprint, response)
 }
 
 /** A response as `resolve` gives it, in the form every driver stores (and the plugin replays). */

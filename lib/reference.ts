@@ -1,4 +1,5 @@
 import type { FastifyReply, FastifyRequest } from 'fastify'
+import { replyValue } from './headers.js'
 import type { StoredResponse } from './store.js'
 
 /*
@@ -47,6 +48,13 @@ export function isReference (response: StoredResponse): boolean {
   return response.headers[REFERENCE_HEADER] !== undefined
 }
 
+/** The recorded replayable headers of a reference record, without its marker field. */
+export function withoutMarker (headers: StoredResponse['headers']): Record<string, string | string[]> {
+  const recorded: Record<string, string | string[]> = {}
+  for (const name in headers) if (name !== REFERENCE_HEADER) recorded[name] = headers[name] as string | string[]
+  return recorded
+}
+
 /** Answers a replay of a reference record (the caller has set Idempotent-Replayed). */
 export async function sendRebuilt (rebuild: RebuildFunction, request: FastifyRequest, reply: FastifyReply, response: StoredResponse): Promise<FastifyReply> {
   const reference: unknown = JSON.parse((response.body as Buffer).toString('utf8'))
@@ -55,7 +63,7 @@ export async function sendRebuilt (rebuild: RebuildFunction, request: FastifyReq
     throw new TypeError('fastify-idempotency: rebuild(reference, request) must return { body, statusCode?, headers? }')
   }
   reply.code(rebuilt.statusCode ?? response.statusCode)
-  for (const name in response.headers) if (name !== REFERENCE_HEADER) reply.header(name, response.headers[name])
+  for (const name in response.headers) if (name !== REFERENCE_HEADER) reply.header(name, replyValue(response.headers[name] as string | string[]))
   for (const name in rebuilt.headers ?? {}) reply.header(name, rebuilt.headers?.[name])
   return reply.send(rebuilt.body)
 }

@@ -3,6 +3,7 @@ import { answer, type Engine } from './engine.js'
 import type { GlobalSettings, StatusRouteSettings } from './options.js'
 import type { StoredRecord } from './store.js'
 import { observe } from './observe.js'
+import { isReference, withoutMarker } from './reference.js'
 import { scopeOf } from './scope.js'
 import { withTimeout } from './timeout.js'
 
@@ -17,7 +18,9 @@ export type IdempotencyKeyStatus =
       /** `includeBody` only: the recorded replayable headers. */
       readonly headers?: Readonly<Record<string, string | string[]>>
       /**
-       * `includeBody` only: the recorded body, `null` when it exceeded `maxResponseBytes`. A JSON body
+       * `includeBody` only: the recorded body, `null` when it exceeded `maxResponseBytes`, or when the
+       * route records responses by reference (`rebuild`): a replay's body is rebuilt by that route from
+       * the resource's current state, so only a retry of the request gets it. A JSON body
        * (`application/json`, `+json`) is embedded as it was sent; anything else is base64.
        */
       readonly body?: { readonly encoding: 'json', readonly value: unknown } | { readonly encoding: 'base64', readonly value: string } | null
@@ -111,6 +114,14 @@ function statusBody (record: StoredRecord, includeBody: boolean): string {
   if (record.state === 'in_progress') return IN_PROGRESS
   const { statusCode, headers, body } = record.response
   if (!includeBody) return `{"state":"completed","response":{"status":${statusCode}}}`
+  if (isReference(record.response)) {
+    // A record by reference holds the route's internal reference and the marker field, which no
+    // client was ever sent (issue 16, finding 8). The body a replay sends is the recording route's
+    // rebuild(reference, request), serialized by that route: the status route knows neither (the
+    // record does not name its route, and a rebuild may read the original request), so it answers
+    // as for a body that was not retained.
+    return `{"state":"completed","response":{"status":${statusCode},"headers":${JSON.stringify(withoutMarker(headers))},"body":null}}`
+  }
   const contentType = headers['content-type']
   return `{"state":"completed","response":{"status":${statusCode},"headers":${JSON.stringify(headers)},` +
     `"body":${bodyMember(body, Array.isArray(contentType) ? contentType[0] : contentType)}}}`

@@ -113,7 +113,7 @@ t.test('the option is validated at registration, naming the option and never sho
     [K1, /option "encryption" must be .*; received a Buffer of 32 bytes$/],
     [{ keys: [] }, /option "encryption"\.keys must be a non-empty array .*; received an array of 0 items$/],
     [{ keys: K1 }, /option "encryption"\.keys must be .*; received a Buffer of 32 bytes$/],
-    [{ keys: [{ id: 'k1', key: K1 }], rotate: true }, /option "encryption" must be an object with the single property "keys"; received an object with properties keys, rotate$/],
+    [{ keys: [{ id: 'k1', key: K1 }], rotate: true }, /option "encryption" must be an object with the properties keys, acceptUnsealed, acceptV1; received an object with properties keys, rotate$/],
     [{ keys: [null] }, /option "encryption"\.keys\[0\] must be an object \{ id, key \}; received null$/],
     [{ keys: [{ id: 'k1', key: K1, secret: K2 }] }, /option "encryption"\.keys\[0\] must be an object with only "id" and "key"; received an object with properties id, key, secret$/],
     [{ keys: [{ id: 'k1', key: short }] }, /option "encryption"\.keys\[0\]\.key must be a Buffer \(or Uint8Array\) of exactly 32 bytes \(AES-256\); received a Buffer of 16 bytes$/],
@@ -175,6 +175,7 @@ t.test('the keys are copied at registration: zeroing the caller\'s Buffer afterw
 t.test('sealResponse / openResponse', async (t) => {
   const keyring = resolveKeyring(ring('k2', 'k1'))
   const id = { scope: 'tenant-a', key: 'key-1' }
+  const fp = { algorithm: 'canonical-v1', digest: Buffer.alloc(32, 1) }
   const body = Buffer.from(Array.from({ length: 256 }, (_, i) => i))
   const response: StoredResponse = {
     statusCode: 201,
@@ -182,20 +183,20 @@ t.test('sealResponse / openResponse', async (t) => {
     body
   }
 
-  const sealed = sealResponse(keyring, id, response)
+  const sealed = sealResponse(keyring, id, fp, response)
   t.equal(sealed.statusCode, 201, 'the status stays in clear')
-  t.same(sealed.headers, { [SEALED_HEADER]: 'v1.k2' }, 'headers hold the marker only: format and key id of the FIRST key')
+  t.same(sealed.headers, { [SEALED_HEADER]: 'v2.k2' }, 'headers hold the marker only: format and key id of the FIRST key')
   const json = JSON.stringify(response.headers)
   t.equal(sealed.body?.length, 12 + 16 + 4 + Buffer.byteLength(json) + body.length, 'iv | tag | ciphertext of length-prefixed headers and body')
   t.notOk(sealed.body?.includes(body.subarray(32, 64)), 'no run of the body in clear')
   t.notOk(sealed.body?.toString('latin1').includes(LOCATION_SECRET), 'no header value in clear')
-  t.same(openResponse(keyring, id, sealed), response, 'opens to the same status, headers and bytes')
-  t.not(sealResponse(keyring, id, response).body?.toString('hex'), sealed.body?.toString('hex'), 'a fresh IV per seal: the same response seals differently')
-  t.same(openResponse(resolveKeyring(ring('k1', 'k2')), id, sealed), response, 'any key of the ring opens, whatever its position')
+  t.same(openResponse(keyring, id, fp, sealed), response, 'opens to the same status, headers and bytes')
+  t.not(sealResponse(keyring, id, fp, response).body?.toString('hex'), sealed.body?.toString('hex'), 'a fresh IV per seal: the same response seals differently')
+  t.same(openResponse(resolveKeyring(ring('k1', 'k2')), id, fp, sealed), response, 'any key of the ring opens, whatever its position')
 
-  const refused = (what: string, tampered: StoredResponse, pattern: RegExp, where = id, ring2 = keyring): void => {
-    t.throws(() => openResponse(ring2, where, tampered), SealedResponseError, what)
-    t.throws(() => openResponse(ring2, where, tampered), pattern, what)
+  const refused = (what: string, tampered: StoredResponse, pattern: RegExp, where = id, ring2 = keyring, fingerprint = fp): void => {
+    t.throws(() => openResponse(ring2, where, fingerprint, tampered), SealedResponseError, what)
+    t.throws(() => openResponse(ring2, where, fingerprint, tampered), pattern, what)
   }
   const sealedBody = sealed.body as Buffer
   const flipped = (offset: number): StoredResponse => {
@@ -208,26 +209,33 @@ t.test('sealResponse / openResponse', async (t) => {
   refused('a flipped ciphertext bit', flipped(sealedBody.length - 1), /fails authentication/)
   refused('another key', sealed, /fails authentication/, { scope: 'tenant-a', key: 'key-2' })
   refused('another scope', sealed, /fails authentication/, { scope: 'tenant-b', key: 'key-1' })
-  refused('the boundary between scope and key moved', sealResponse(keyring, { scope: 'ab', key: 'c' }, response), /fails authentication/, { scope: 'a', key: 'bc' })
+  refused('the boundary between scope and key moved', sealResponse(keyring, { scope: 'ab', key: 'c' }, fp, response), /fails authentication/, { scope: 'a', key: 'bc' })
   refused('another status', { ...sealed, statusCode: 200 }, /fails authentication/)
-  refused('relabelled with the other key\'s id', { ...sealed, headers: { [SEALED_HEADER]: 'v1.k1' } }, /fails authentication under key id "k1"/)
+  refused('another request (fingerprint digest)', sealed, /fails authentication/, id, keyring, { ...fp, digest: Buffer.alloc(32, 2) })
+  refused('another fingerprint algorithm', sealed, /fails authentication/, id, keyring, { ...fp, algorithm: 'raw-v1' })
+  refused('relabelled with the other key\'s id', { ...sealed, headers: { [SEALED_HEADER]: 'v2.k1' } }, /fails authentication under key id "k1"/)
+  refused('relabelled as v1 (accepted for migration)', { ...sealed, headers: { [SEALED_HEADER]: 'v1.k2' } }, /fails authentication/, id, resolveKeyring({ ...ring('k2'), acceptV1: true }))
+  refused('relabelled as v1 (refused)', { ...sealed, headers: { [SEALED_HEADER]: 'v1.k2' } }, /sealed in format v1, whose seal does not cover the request fingerprint/)
   refused('a key id not in the ring', sealed, /sealed with key id "k2", which is not in the encryption keys/, id, resolveKeyring(ring('k1')))
-  refused('an unknown format', { ...sealed, headers: { [SEALED_HEADER]: 'v9.k2' } }, /format "v9" is not v1/)
+  refused('an unknown format', { ...sealed, headers: { [SEALED_HEADER]: 'v9.k2' } }, /format "v9" is not v2/)
   refused('an unauthenticated field next to the marker', { ...sealed, headers: { ...sealed.headers, location: '/elsewhere' } }, /marker is malformed/)
   refused('truncated', { ...sealed, body: sealedBody.subarray(0, 20) }, /truncated/)
   refused('the body dropped (made "not retained")', { ...sealed, body: null }, /marker is malformed/)
-  t.throws(() => sealResponse(keyring, id, { ...response, headers: { [SEALED_HEADER]: 'v1.k2' } }), /reserved field/, 'a response carrying the marker is never sealed')
+  t.throws(() => sealResponse(keyring, id, fp, { ...response, headers: { [SEALED_HEADER]: 'v2.k2' } }), /reserved field/, 'a response carrying the marker is never sealed')
 
   const plaintext: StoredResponse = { statusCode: 200, headers: { 'content-type': 'text/plain' }, body: Buffer.from('recorded before encryption') }
-  t.equal(openResponse(keyring, id, plaintext), plaintext, 'a record without the marker (written before encryption) is returned as it is')
+  refused('a record without the marker (in clear)', plaintext, /stored in clear while encryption is on/)
+  t.equal(openResponse(resolveKeyring({ ...ring('k2'), acceptUnsealed: true }), id, fp, plaintext), plaintext,
+    'with acceptUnsealed, a record without the marker (written before encryption) is returned as it is')
 
   const notRetained: StoredResponse = { statusCode: 202, headers: { location: `/jobs/${LOCATION_SECRET}` }, body: null }
-  const sealedNull = sealResponse(keyring, id, notRetained)
+  const sealedNull = sealResponse(keyring, id, fp, notRetained)
   t.equal(sealedNull.body, null, 'a body that was not retained stays null')
   const marker = sealedNull.headers[SEALED_HEADER] as string
-  t.match(marker, /^v1\.k2\.[A-Za-z0-9_-]+$/, 'its sealed headers travel in the marker')
+  t.match(marker, /^v2\.k2\.[A-Za-z0-9_-]+$/, 'its sealed headers travel in the marker')
   t.notOk(marker.includes(LOCATION_SECRET))
-  t.same(openResponse(keyring, id, sealedNull), notRetained)
+  t.same(openResponse(keyring, id, fp, sealedNull), notRetained)
+  refused('a not-retained record of another request', sealedNull, /fails authentication/, id, keyring, { ...fp, digest: Buffer.alloc(32, 3) })
   refused('a not-retained record given a body', { ...sealedNull, body: Buffer.alloc(40) }, /marker is malformed/)
   refused('a not-retained record under another key', sealedNull, /fails authentication/, { scope: 'tenant-a', key: 'other' })
 })
@@ -265,7 +273,7 @@ t.test('the store and pre-filter decorators forward every member they do not wra
   const response: StoredResponse = { statusCode: 201, headers: { etag: `"${ETAG_SECRET}"` }, body: Buffer.from(BODY_SECRET) }
   t.equal(await wrapped.complete(claimed.lease, response, 10_000), true, 'complete is wrapped…')
   const raw = await inner.get({ scope: 's', key: 'k' })
-  t.equal(raw?.state === 'completed' && raw.response.headers[SEALED_HEADER], 'v1.k1', '…and seals')
+  t.equal(raw?.state === 'completed' && raw.response.headers[SEALED_HEADER], 'v2.k1', '…and seals')
   t.same(await wrapped.get({ scope: 's', key: 'k' }), { state: 'completed', fingerprint: raw?.fingerprint, response }, 'get opens')
 
   const extensible = { ...inner } as IdempotencyStore & { later?: () => string }
@@ -285,7 +293,7 @@ t.test('the store and pre-filter decorators forward every member they do not wra
   const wrappedPrefilter = encryptedPrefilter(keyring, prefilter) as typeof prefilter
   t.same(wrappedPrefilter.stats, { hits: 3 }, 'pre-filter members are forwarded')
   await wrappedPrefilter.remember({ scope: 's', key: 'k' }, { algorithm: 'raw-v1', digest: Buffer.alloc(32) }, response, 1000)
-  t.equal((remembered as StoredResponse | null)?.headers[SEALED_HEADER], 'v1.k1', 'remember seals')
+  t.equal((remembered as StoredResponse | null)?.headers[SEALED_HEADER], 'v2.k1', 'remember seals')
   const hit = await wrappedPrefilter.lookup({ scope: 's', key: 'k' })
   t.same(hit?.state === 'completed' && hit.response, response, 'lookup opens')
   await t.rejects(wrappedPrefilter.lookup({ scope: 's', key: 'other' }), SealedResponseError, 'a copy that does not open rejects (read as a miss)')
@@ -312,7 +320,7 @@ function behaviours (backend: Backend): void {
     t.equal(runs.get('plain-check'), 1, 'the handler ran once')
     const stored = await raw('tenant-a', 'plain-check')
     t.equal(stored?.status, 201, 'the status is at rest in clear')
-    t.equal(markerOf(stored), 'v1.k1')
+    t.equal(markerOf(stored), 'v2.k1')
     t.same(stored === null ? ['no record'] : inClear(stored), [], 'no body or header value in clear at rest')
   })
 
@@ -326,8 +334,8 @@ function behaviours (backend: Backend): void {
     const rotated = await world(t, store, { ...options, encryption: ring('k2', 'k1') }, runs)
     sameAnswer(t, await rotated.pay('old'), old)
     const fresh = await rotated.pay('new')
-    t.equal(markerOf(await raw('tenant-a', 'new')), 'v1.k2', 'new records are sealed with the first key')
-    t.equal(markerOf(await raw('tenant-a', 'old')), 'v1.k1', 'the old record is left as it was')
+    t.equal(markerOf(await raw('tenant-a', 'new')), 'v2.k2', 'new records are sealed with the first key')
+    t.equal(markerOf(await raw('tenant-a', 'old')), 'v2.k1', 'the old record is left as it was')
     await rotated.app.close()
 
     const retired = await world(t, store, { ...options, encryption: ring('k2') }, runs)
@@ -343,7 +351,7 @@ function behaviours (backend: Backend): void {
     t.equal(runs.get('new'), 1)
   })
 
-  t.test(`${backend.name}: a record written before encryption was enabled still replays`, async (t) => {
+  t.test(`${backend.name}: a record written before encryption was enabled replays with acceptUnsealed, and is a 503 without it`, async (t) => {
     const { store, raw, options } = await backend.make(t)
     const runs = new Map<string, number>()
     const clear = await world(t, store, options, runs)
@@ -351,7 +359,12 @@ function behaviours (backend: Backend): void {
     await clear.app.close()
     t.equal(markerOf(await raw('tenant-a', 'legacy')), undefined, 'written in clear')
 
-    const encrypted = await world(t, store, { ...options, encryption: ring('k1') }, runs)
+    const strict = await world(t, store, { ...options, encryption: ring('k1') }, runs)
+    storeUnavailable(t, await strict.pay('legacy'))
+    t.equal(runs.get('legacy'), 1, 'refused by default, and never executed again')
+    await strict.app.close()
+
+    const encrypted = await world(t, store, { ...options, encryption: { ...ring('k1'), acceptUnsealed: true } }, runs)
     sameAnswer(t, await encrypted.pay('legacy'), original)
     t.equal(runs.get('legacy'), 1)
     t.equal((await encrypted.pay('legacy', { amount: 5 })).statusCode, 422, 'and still tells a different request apart')
@@ -380,7 +393,7 @@ function behaviours (backend: Backend): void {
     t.ok(first.body.includes(BODY_SECRET), 'the first client gets the whole body')
     const stored = await raw('tenant-a', 'big')
     t.equal(stored?.body, null, 'the body is not retained')
-    t.match(markerOf(stored), /^v1\.k1\./)
+    t.match(markerOf(stored), /^v2\.k1\./)
     t.same(stored === null ? ['no record'] : inClear(stored), [], 'the headers are not in clear')
     const retry = await pay('big')
     t.equal(retry.statusCode, 410)
@@ -453,7 +466,8 @@ function postgresSuite (url: string): void {
       const { store, name } = await table()
       const { runs, pay } = await world(t, store, { ...options, encryption: ring('k1') })
       const records = sql`${sql(schema)}.${sql(name)}`
-      for (const key of ['tampered', 'moved', 'rescoped', 'swapped-a', 'swapped-b']) t.equal((await pay(key)).statusCode, 201)
+      for (const key of ['tampered', 'moved', 'rescoped', 'swapped-a', 'swapped-b', 'refingerprinted']) t.equal((await pay(key)).statusCode, 201)
+      t.equal((await pay('other-request', { amount: 5 })).statusCode, 201)
 
       // One bit of the ciphertext, past the IV and the tag.
       await sql`UPDATE ${records} SET response_body = set_byte(response_body, 40, get_byte(response_body, 40) # 1) WHERE key = 'tampered'`
@@ -474,6 +488,13 @@ function postgresSuite (url: string): void {
         FROM ${records} AS source WHERE target.key = 'swapped-b' AND source.key = 'swapped-a'`
       storeUnavailable(t, await pay('swapped-b'))
       t.equal(runs.get('swapped-b'), 1)
+
+      // The fingerprint of another request (amount 5) copied onto a record: that request must get a
+      // 503, not the answer to amount 100 (issue 16, finding 7b).
+      await sql`UPDATE ${records} AS target SET fingerprint = source.fingerprint, fingerprint_algorithm = source.fingerprint_algorithm
+        FROM ${records} AS source WHERE target.key = 'refingerprinted' AND source.key = 'other-request'`
+      storeUnavailable(t, await pay('refingerprinted', { amount: 5 }))
+      t.equal(runs.get('refingerprinted'), 1, 'a seal re-attached to another request\'s fingerprint neither replays nor executes')
 
       if (mode === 'atomic') {
         for (let i = 0; i < 100 && store.openTransactions > 0; i++) await sleep(10)
@@ -505,7 +526,7 @@ function redisSuite (url: string): void {
     }
     t.equal(copy[FIELD.state]?.toString(), 'completed', 'the record was copied into Redis')
     const raw: RawRecord = { status: Number(copy[FIELD.status]?.toString()), headers: copy[FIELD.headers]?.toString() ?? '{}', body: copy[FIELD.body] ?? null }
-    t.equal(markerOf(raw), 'v1.k1')
+    t.equal(markerOf(raw), 'v2.k1')
     t.same(inClear(raw), [], 'no body or header value in clear in Redis')
 
     const claimsBefore = claims
@@ -537,7 +558,7 @@ t.test('the reconciler seals the response it records with the same keys (Reconci
   t.equal(report.completed, 1)
   const stored = await store.get({ scope: 'tenant-a', key: 'stuck' })
   const response = stored?.state === 'completed' ? stored.response : null
-  t.same(response?.headers, { [SEALED_HEADER]: 'v1.k1' }, 'sealed')
+  t.same(response?.headers, { [SEALED_HEADER]: 'v2.k1' }, 'sealed')
   t.notOk(response?.body?.includes(BODY_SECRET), 'no plaintext at rest')
   const replay = await app.pay('stuck')
   t.same([replay.statusCode, replay.json()], [201, { card: BODY_SECRET }], 'the plugin opens it')
