@@ -5,6 +5,7 @@ import { InvalidOptionError, NoAnswerError } from './errors.js'
 import { checkKey, generateKey, methodNeedsKey, serializeKey } from './key.js'
 import { headerRecord, resolveClientOptions, type IdempotentClientOptions, type ResolvedClientOptions } from './options.js'
 import { buildResponse, isReplay, type IdempotentResponse } from './response.js'
+import { resolveUrl } from './url.js'
 
 export interface RequestOptions {
   /** Sent the same on every attempt; a plain object, array, number, boolean or null is sent as JSON. */
@@ -26,7 +27,8 @@ export interface IdempotentClient {
   /**
    * Sends one logical operation, retrying it with the same key on network errors, timeouts and
    * `retryStatuses` answers. Resolves with the final answer (whatever its status); rejects with
-   * `NoAnswerError` when no attempt got one.
+   * `NoAnswerError` when no attempt got one, and with `InvalidOptionError` (nothing sent) for a
+   * path that resolves outside `baseUrl`.
    */
   request (method: string, path: string | URL, options?: RequestOptions): Promise<IdempotentResponse>
   readonly post: Call
@@ -116,17 +118,6 @@ function checkMethod (method: unknown): string {
   }
   // fetch upper-cases only the standard methods; doing it for all keeps methodNeedsKey simple.
   return method.toUpperCase()
-}
-
-function resolveUrl (baseUrl: URL | null, path: unknown): string {
-  const relative = typeof path === 'string' && baseUrl !== null ? path.replace(/^\//, '') : path
-  const url = typeof relative === 'string' && URL.canParse(relative, baseUrl?.href)
-    ? new URL(relative, baseUrl ?? undefined)
-    : relative instanceof URL ? relative : null
-  if (url === null || (url.protocol !== 'http:' && url.protocol !== 'https:')) {
-    throw new InvalidOptionError('path', baseUrl === null ? 'an absolute http(s) URL (no baseUrl is set)' : 'a path or an http(s) URL', path)
-  }
-  return url.href
 }
 
 function checkSignal (signal: unknown): AbortSignal | undefined {

@@ -1,0 +1,57 @@
+import t from 'tap'
+import { createIdempotentClient, InvalidOptionError } from '../client/index.js'
+import { bystander, serve, type Received } from './helpers/http-recorder.js'
+
+/*
+ * What the client does by default with a path taken from input: one that resolves outside
+ * `baseUrl` is refused before any request. Real HTTP servers on loopback record every request
+ * they receive.
+ */
+
+const SECRET = 'sk_live_do_not_leak'
+const CARD = '4242424242424242'
+
+/** What a request that should not have been sent gave away, for the failure's diagnostic. */
+const leaked = (request: Received): object => ({
+  method: request.method, url: request.url, key: request.headers['idempotency-key'], apiKey: request.headers['x-api-key'], body: request.body
+})
+
+t.test('paths that resolve outside baseUrl are refused before anything is sent: 0 requests anywhere', async (t) => {
+  const other = await bystander(t)
+  const api = await serve(t, (_request, response) => { response.end('ok') })
+  const host = `127.0.0.1:${other.port}`
+  const client = createIdempotentClient({ baseUrl: `${api.origin}/api/v1`, headers: { 'x-api-key': SECRET }, maxAttempts: 1 })
+
+  const escaping: Array<string | URL> = [
+    // scheme-relative and backslash forms: another host to a WHATWG parser
+    `//${host}/x`, `///${host}/x`, `////${host}/x`, `/\\${host}/x`, `\\${host}/x`, `\\\\${host}/x`, `\\/${host}/x`, `/\\/${host}/x`,
+    // characters the parser strips, turning the text into one of the above
+    `/\t/${host}/x`, `\t//${host}/x`, `/\n/${host}/x`, `/\r\n/${host}/x`, ` //${host}/x`, `//${host}/x `,
+    // absolute URLs of another origin (host, port or scheme)
+    `http://${host}/x`, `HTTP://${host}/x`, `https:${host}/x`, `https:\\\\${host}/x`, new URL(`http://${host}/x`),
+    `${api.origin.replace('http:', 'https:')}/api/v1/x`,
+    // the same origin, outside the path prefix
+    new URL(`${api.origin}/admin`), `${api.origin}/api/v2/x`, `${api.origin}/api/v1/../../admin`, `${api.origin}/api/v1x`,
+    '..', '/..', '../x', '/../x', '/../../x', './../x', '/orders/../../x', '/orders/../../../v2/x',
+    // percent-encoded dot segments (the parser resolves them) and encoded separators (a decoding server would)
+    '%2e%2e/x', '/%2E%2E/x', '.%2e/x', '%2e./x', '/%2e%2e', '/..%2fadmin', '/orders/..%2F..%2Fadmin', '/..%5cadmin', '/%2e%2e%2fadmin', '/x/.%2E%5C..%5Cadmin'
+  ]
+  for (const path of escaping) {
+    const error = await client.post(path, { body: { card: CARD } }).then(() => null, (err: unknown) => err)
+    t.ok(error instanceof InvalidOptionError && error.option === 'path' && /path must be/.test(error.message),
+      `${JSON.stringify(String(path))} is refused as a path (${String(error)})`)
+  }
+  t.same(api.received.map(leaked), [], 'the API received nothing')
+  t.same(other.received.map(leaked), [], 'the other origin received nothing')
+
+  const inside: Array<[string | URL, string]> = [
+    ['/orders', '/api/v1/orders'], ['orders', '/api/v1/orders'], ['/orders/../items', '/api/v1/items'], ['/a/./b', '/api/v1/a/b'],
+    ['/files/a%2Fb', '/api/v1/files/a%2Fb'], ['/v%2e1', '/api/v1/v%2e1'], ['?page=2', '/api/v1/?page=2'], ['/@evil.example', '/api/v1/@evil.example'],
+    [`${api.origin}/api/v1/orders`, '/api/v1/orders'], [new URL(`${api.origin}/api/v1/orders`), '/api/v1/orders']
+  ]
+  for (const [path, url] of inside) {
+    const result = await client.post(path, { body: {} })
+    t.same([result.status, api.received.at(-1)?.url], [200, url], `${String(path)} stays inside: ${url}`)
+  }
+  t.same(other.received.map(leaked), [], 'still nothing on the other origin')
+})
