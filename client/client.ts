@@ -26,9 +26,9 @@ type Call = (path: string | URL, options?: RequestOptions) => Promise<Idempotent
 export interface IdempotentClient {
   /**
    * Sends one logical operation, retrying it with the same key on network errors, timeouts and
-   * `retryStatuses` answers. Resolves with the final answer (whatever its status); rejects with
-   * `NoAnswerError` when no attempt got one, and with `InvalidOptionError` (nothing sent) for a
-   * path that resolves outside `baseUrl`.
+   * `retryStatuses` answers. Resolves with the final answer (whatever its status, a 3xx included);
+   * rejects with `NoAnswerError` when no attempt got one, and with `InvalidOptionError` (nothing
+   * sent) for a path that resolves outside `baseUrl`.
    */
   request (method: string, path: string | URL, options?: RequestOptions): Promise<IdempotentResponse>
   readonly post: Call
@@ -81,7 +81,8 @@ async function send (options: ResolvedClientOptions, rawMethod: string, path: st
     const remaining = deadline - options.now()
     if (last !== undefined && remaining <= 0) return giveUp(last, 'deadline')
     attempts++
-    last = await runAttempt(options.fetch, url, init, Math.min(options.timeoutMs, Math.max(1, Math.ceil(remaining))), signal)
+    const timeoutMs = Math.min(options.timeoutMs, Math.max(1, Math.ceil(remaining)))
+    last = await runAttempt({ ...options, timeoutMs }, url, init, signal)
     let wait = backoffDelay(attempts, options.backoffBaseMs, options.backoffMaxMs, options.random)
     if (last.kind === 'answer') {
       const { status, headers } = last.response

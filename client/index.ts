@@ -13,5 +13,6 @@ export { createIdempotentClient, type IdempotentClient, type RequestOptions } fr
 export { InvalidOptionError, NoAnswerError } from './errors.js'
 export type { BackoffOptions, FetchLike, IdempotentClientOptions, Sleep } from './options.js'
 export type { JsonValue, RequestBody } from './body.js'
+export type { RedirectMode } from './redirect.js'
 export type { ProblemDetails } from './problem.js'
 export type { IdempotentResponse } from './response.js'

@@ -3,9 +3,11 @@ import { createIdempotentClient, InvalidOptionError } from '../client/index.js'
 import { bystander, serve, type Received } from './helpers/http-recorder.js'
 
 /*
- * What the client does by default with a path taken from input: one that resolves outside
- * `baseUrl` is refused before any request. Real HTTP servers on loopback record every request
- * they receive.
+ * What the client does by default with a hostile or careless server, or a path taken from input:
+ * a 3xx is the answer (never followed, so nothing reaches an origin the caller did not name), and
+ * a path that resolves outside `baseUrl` is refused before any request. Real HTTP servers on
+ * loopback record every request they receive. The opt-in (same-origin redirects) is in
+ * client-security-options.test.ts.
  */
 
 const SECRET = 'sk_live_do_not_leak'
@@ -14,6 +16,26 @@ const CARD = '4242424242424242'
 /** What a request that should not have been sent gave away, for the failure's diagnostic. */
 const leaked = (request: Received): object => ({
   method: request.method, url: request.url, key: request.headers['idempotency-key'], apiKey: request.headers['x-api-key'], body: request.body
+})
+
+t.test('by default a 3xx is the answer: a 301/302/303/307/308 to another origin sends it nothing (no body, key or x-api-key)', async (t) => {
+  const other = await bystander(t)
+  const api = await serve(t, (request, response) => {
+    const status = Number(request.url.split('/').pop())
+    response.writeHead(status, { location: `${other.origin}/collect` }).end('moved')
+  })
+  const client = createIdempotentClient({ baseUrl: api.origin, headers: { 'x-api-key': SECRET } })
+
+  for (const status of [301, 302, 303, 307, 308]) {
+    const result = await client.post(`/pay/${status}`, { body: { card: CARD } })
+    t.same([result.status, result.headers.get('location'), result.text(), result.attempts], [status, `${other.origin}/collect`, 'moved', 1],
+      `${status}: returned as the answer, with its Location, after one attempt`)
+    const sent = api.received.at(-1)
+    t.same([sent?.headers['idempotency-key'], sent?.headers['x-api-key'], sent?.body], [`"${result.key ?? ''}"`, SECRET, JSON.stringify({ card: CARD })],
+      `${status}: the API itself got the operation`)
+  }
+  t.same(other.received.map(leaked), [], 'the other origin received no request at all')
+  t.equal(api.received.length, 5, 'one request per call: a 3xx is final, not retried')
 })
 
 t.test('paths that resolve outside baseUrl are refused before anything is sent: 0 requests anywhere', async (t) => {
