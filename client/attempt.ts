@@ -1,14 +1,23 @@
 import type { FetchLike } from './options.js'
+import { readBody } from './read-body.js'
 import { MAX_REDIRECTS, nextHop, type Hop, type RedirectMode } from './redirect.js'
 
 export type AttemptOutcome =
   | { readonly kind: 'answer', readonly response: Response, readonly body: Uint8Array }
+  | {
+    /** An answer whose body exceeded `maxResponseBytes`: its status and headers, not its body. */
+    readonly kind: 'too-large'
+    readonly response: Response
+    readonly declaredBytes: number | null
+    readonly receivedBytes: number
+  }
   | { readonly kind: 'failure', readonly error: unknown }
 
 export interface AttemptSettings {
   readonly fetch: FetchLike
   readonly timeoutMs: number
   readonly redirect: RedirectMode
+  readonly maxResponseBytes: number
 }
 
 /**
@@ -39,7 +48,11 @@ export async function runAttempt (
       // to any origin (see redirect.ts); the client decides, hop by hop.
       const response = await fetch(hop.url, { ...hop.init, redirect: 'manual', signal: controller.signal })
       const next = settings.redirect === 'same-origin' && redirects < MAX_REDIRECTS ? nextHop(hop, response) : null
-      if (next === null) return { kind: 'answer', response, body: new Uint8Array(await response.arrayBuffer()) }
+      if (next === null) {
+        const read = await readBody(response, settings.maxResponseBytes)
+        if (read.kind === 'whole') return { kind: 'answer', response, body: read.body }
+        return { kind: 'too-large', response, declaredBytes: read.declaredBytes, receivedBytes: read.receivedBytes }
+      }
       // A redirect's own body is never read; cancelling it lets the connection go.
       response.body?.cancel().catch(() => {})
       hop = next
@@ -56,7 +69,8 @@ export async function runAttempt (
   } finally {
     clearTimeout(timer)
     callerSignal?.removeEventListener('abort', onCallerAbort)
-    // Frees the connection of an attempt given up on (a body still streaming after the timeout).
+    // Frees the connection of an attempt given up on (a body still streaming after the timeout, or
+    // past maxResponseBytes).
     controller.abort()
   }
 }

@@ -58,6 +58,13 @@ export interface IdempotentClientOptions {
    * @defaultValue 'manual'
    */
   readonly redirect?: RedirectMode
+  /**
+   * Largest response body read, in bytes. A `Content-Length` over it is refused before reading; a
+   * longer body is cut off as it arrives and the connection closed; the call rejects with
+   * `ResponseTooLargeError` (the status, headers and key; not retried).
+   * @defaultValue 8_388_608 (8 MiB)
+   */
+  readonly maxResponseBytes?: number
   /** @defaultValue the global `fetch` */
   readonly fetch?: FetchLike
   /** Uniform in [0, 1): the backoff jitter. @defaultValue `Math.random` */
@@ -78,6 +85,7 @@ export interface ResolvedClientOptions {
   readonly retryStatuses: ReadonlySet<number>
   readonly headers: Readonly<Record<string, string>>
   readonly redirect: RedirectMode
+  readonly maxResponseBytes: number
   readonly fetch: FetchLike
   readonly random: () => number
   readonly sleep: Sleep
@@ -87,8 +95,17 @@ export interface ResolvedClientOptions {
 /** setTimeout's ceiling: a longer delay fires at once. */
 const MAX_TIMER_MS = 2_147_483_647
 
+/**
+ * 8× the plugin's own default `maxResponseBytes` (1 MiB): an answer the server can replay fits with
+ * room to spare, while one call cannot make the client hold more than a few MiB.
+ */
+const DEFAULT_MAX_RESPONSE_BYTES = 8 * 1024 * 1024
+
+/** 2 GiB − 1: the largest single buffer every JavaScript engine the client runs on can allocate. */
+const MAX_RESPONSE_BYTES = 2_147_483_647
+
 const KNOWN = new Set([
-  'baseUrl', 'maxAttempts', 'timeoutMs', 'deadlineMs', 'backoff', 'retryStatuses', 'headers', 'redirect',
+  'baseUrl', 'maxAttempts', 'timeoutMs', 'deadlineMs', 'backoff', 'retryStatuses', 'headers', 'redirect', 'maxResponseBytes',
   'fetch', 'random', 'sleep', 'now'
 ])
 
@@ -111,6 +128,7 @@ export function resolveClientOptions (options: IdempotentClientOptions = {}): Re
     retryStatuses: retryStatuses(options.retryStatuses),
     headers: headerRecord('headers', options.headers),
     redirect: redirect(options.redirect),
+    maxResponseBytes: integer('maxResponseBytes', options.maxResponseBytes, DEFAULT_MAX_RESPONSE_BYTES, 0, MAX_RESPONSE_BYTES),
     fetch: fn('fetch', options.fetch) ?? ((input, init) => fetch(input, init)),
     random: fn('random', options.random) ?? Math.random,
     sleep: fn('sleep', options.sleep) ?? sleep,

@@ -1,13 +1,15 @@
 import t from 'tap'
 import { createIdempotentClient, InvalidOptionError } from '../client/index.js'
-import { bystander, serve, type Received } from './helpers/http-recorder.js'
+import { eventually } from './helpers/app.js'
+import { bigAnswer, bystander, countingFetch, MiB, serve, type Received, type Sent } from './helpers/http-recorder.js'
 
 /*
  * What the client does by default with a hostile or careless server, or a path taken from input:
- * a 3xx is the answer (never followed, so nothing reaches an origin the caller did not name), and
- * a path that resolves outside `baseUrl` is refused before any request. Real HTTP servers on
- * loopback record every request they receive. The opt-in (same-origin redirects) is in
- * client-security-options.test.ts.
+ * a 3xx is the answer (never followed, so nothing reaches an origin the caller did not name), a
+ * path that resolves outside `baseUrl` is refused before any request, and no answer makes the
+ * client take more than `maxResponseBytes` (8 MiB) plus one chunk. Real HTTP servers on loopback
+ * record every request they receive. The opt-ins (same-origin redirects, another limit) and the
+ * error type are in client-security-options.test.ts.
  */
 
 const SECRET = 'sk_live_do_not_leak'
@@ -76,4 +78,36 @@ t.test('paths that resolve outside baseUrl are refused before anything is sent: 
     t.same([result.status, api.received.at(-1)?.url], [200, url], `${String(path)} stays inside: ${url}`)
   }
   t.same(other.received.map(leaked), [], 'still nothing on the other origin')
+})
+
+t.test('by default (8 MiB) a 64 MiB answer is cut off: chunked, counted as it arrives; with Content-Length, before the first byte', async (t) => {
+  const total = 64 * MiB
+  const limit = 8 * MiB
+  for (const framing of ['chunked', 'content-length'] as const) {
+    const sent: Sent = { written: 0, finished: false, closed: false }
+    const api = await serve(t, (_request, response) => { bigAnswer(response, total, framing, sent) })
+    const { fetch, pulled } = countingFetch()
+    const client = createIdempotentClient({ baseUrl: api.origin, fetch })
+
+    const error = await client.post('/export', { body: { all: true } }).then(() => null, (err: unknown) => err)
+
+    // Checked by its public fields rather than the class, so that this file also runs against a
+    // client from before the limit existed (where the call resolves with the whole answer).
+    t.match(error, { name: 'ResponseTooLargeError', code: 'IDEMPOTENCY_CLIENT_RESPONSE_TOO_LARGE', status: 200, attempts: 1, limit },
+      `${framing}: rejects with ResponseTooLargeError: the status, the limit; not retried (${String(error)})`)
+    if (framing === 'chunked') {
+      t.ok(pulled.bytes > limit && pulled.bytes <= limit + pulled.largestChunk,
+        `${framing}: the client took ${pulled.bytes} bytes: past the limit by at most one chunk (${pulled.largestChunk})`)
+    } else {
+      t.equal(pulled.bytes, 0, `${framing}: not a byte read: the Content-Length (${total}) said enough`)
+    }
+    t.match(error, { receivedBytes: pulled.bytes, declaredBytes: framing === 'chunked' ? null : total }, `${framing}: the error says what was read and what was announced`)
+    t.ok(pulled.cancelled, `${framing}: the rest of the body was cancelled`)
+    t.ok(await eventually(() => sent.closed), `${framing}: the server saw the connection close`)
+    t.ok(!sent.finished && sent.written < total, `${framing}: before the answer was sent whole (${sent.written} of ${total} bytes written)`)
+    const { key, headers } = (error ?? {}) as { key?: unknown, headers?: Headers }
+    t.equal(`"${String(key)}"`, api.received[0]?.headers['idempotency-key'], `${framing}: the error carries the key the request carried`)
+    t.equal(headers?.get('content-type'), 'application/octet-stream', `${framing}: and the answer's headers`)
+    t.equal(api.received.length, 1, `${framing}: one request`)
+  }
 })
