@@ -1,10 +1,11 @@
 import { runAttempt, type AttemptOutcome } from './attempt.js'
 import { backoffDelay, retryAfterMs } from './backoff.js'
 import { encodeBody, type RequestBody } from './body.js'
-import { InvalidOptionError, NoAnswerError } from './errors.js'
+import { InvalidOptionError, NoAnswerError, ResponseTooLargeError } from './errors.js'
 import { checkKey, generateKey, methodNeedsKey, serializeKey } from './key.js'
 import { headerRecord, resolveClientOptions, type IdempotentClientOptions, type ResolvedClientOptions } from './options.js'
 import { buildResponse, isReplay, type IdempotentResponse } from './response.js'
+import { resolveUrl } from './url.js'
 
 export interface RequestOptions {
   /** Sent the same on every attempt; a plain object, array, number, boolean or null is sent as JSON. */
@@ -25,8 +26,10 @@ type Call = (path: string | URL, options?: RequestOptions) => Promise<Idempotent
 export interface IdempotentClient {
   /**
    * Sends one logical operation, retrying it with the same key on network errors, timeouts and
-   * `retryStatuses` answers. Resolves with the final answer (whatever its status); rejects with
-   * `NoAnswerError` when no attempt got one.
+   * `retryStatuses` answers. Resolves with the final answer (whatever its status, a 3xx included);
+   * rejects with `NoAnswerError` when no attempt got one, with `ResponseTooLargeError` when its body
+   * exceeds `maxResponseBytes`, and with `InvalidOptionError` (nothing sent) for a path that
+   * resolves outside `baseUrl`.
    */
   request (method: string, path: string | URL, options?: RequestOptions): Promise<IdempotentResponse>
   readonly post: Call
@@ -79,9 +82,11 @@ async function send (options: ResolvedClientOptions, rawMethod: string, path: st
     const remaining = deadline - options.now()
     if (last !== undefined && remaining <= 0) return giveUp(last, 'deadline')
     attempts++
-    last = await runAttempt(options.fetch, url, init, Math.min(options.timeoutMs, Math.max(1, Math.ceil(remaining))), signal)
+    const timeoutMs = Math.min(options.timeoutMs, Math.max(1, Math.ceil(remaining)))
+    last = await runAttempt({ ...options, timeoutMs }, url, init, signal)
     let wait = backoffDelay(attempts, options.backoffBaseMs, options.backoffMaxMs, options.random)
-    if (last.kind === 'answer') {
+    // An answer too large to read is still an answer: its status and headers decide, as for any other.
+    if (last.kind !== 'failure') {
       const { status, headers } = last.response
       // A replayed answer is the operation's recorded outcome: asking again only replays it again.
       if (isReplay(headers) || !options.retryStatuses.has(status)) return giveUp(last, 'attempts')
@@ -97,7 +102,15 @@ async function send (options: ResolvedClientOptions, rawMethod: string, path: st
     if (outcome.kind === 'answer') return buildResponse(outcome.response, outcome.body, attempts, key)
     // Origin and path only: credentials or tokens in the userinfo or query stay out of error logs.
     const { origin, pathname } = new URL(url)
-    throw new NoAnswerError(`${method} ${origin}${pathname}`, key, attempts, reason, outcome.error)
+    const what = `${method} ${origin}${pathname}`
+    if (outcome.kind === 'too-large') {
+      const { response, declaredBytes, receivedBytes } = outcome
+      throw new ResponseTooLargeError(what, {
+        key, attempts, status: response.status, headers: response.headers, replayed: isReplay(response.headers),
+        limit: options.maxResponseBytes, declaredBytes, receivedBytes
+      })
+    }
+    throw new NoAnswerError(what, key, attempts, reason, outcome.error)
   }
 }
 
@@ -116,17 +129,6 @@ function checkMethod (method: unknown): string {
   }
   // fetch upper-cases only the standard methods; doing it for all keeps methodNeedsKey simple.
   return method.toUpperCase()
-}
-
-function resolveUrl (baseUrl: URL | null, path: unknown): string {
-  const relative = typeof path === 'string' && baseUrl !== null ? path.replace(/^\//, '') : path
-  const url = typeof relative === 'string' && URL.canParse(relative, baseUrl?.href)
-    ? new URL(relative, baseUrl ?? undefined)
-    : relative instanceof URL ? relative : null
-  if (url === null || (url.protocol !== 'http:' && url.protocol !== 'https:')) {
-    throw new InvalidOptionError('path', baseUrl === null ? 'an absolute http(s) URL (no baseUrl is set)' : 'a path or an http(s) URL', path)
-  }
-  return url.href
 }
 
 function checkSignal (signal: unknown): AbortSignal | undefined {

@@ -39,6 +39,50 @@ export class NoAnswerError extends Error {
   }
 }
 
+/**
+ * An answer arrived, but its body exceeded `maxResponseBytes`: the read was given up (before the
+ * first byte when `Content-Length` said so) and the connection closed. The server did answer, so
+ * this is not an unknown outcome: `status` says what it was (a 2xx means the operation ran). It is
+ * not retried: a replay of a recorded answer is the same answer, as large, so asking again with the
+ * same limit fails the same way. To read it, ask again with `key: error.key` from a client with a
+ * larger `maxResponseBytes`; the server replays the recorded answer instead of running the operation
+ * again (draft §2.6).
+ */
+export class ResponseTooLargeError extends Error {
+  readonly code = 'IDEMPOTENCY_CLIENT_RESPONSE_TOO_LARGE'
+  /** The key every attempt carried, or `null` for an idempotent method sent without one. */
+  readonly key: string | null
+  readonly attempts: number
+  /** The answer's status and headers, as received; its body was not kept. */
+  readonly status: number
+  readonly headers: Headers
+  /** `Idempotent-Replayed: true`: the answer is the record of an earlier execution. */
+  readonly replayed: boolean
+  /** The `maxResponseBytes` in force. */
+  readonly limit: number
+  /** The `Content-Length` that announced more than `limit`, or `null` when the excess was counted. */
+  readonly declaredBytes: number | null
+  /** Bytes read before the read was given up: 0 when `Content-Length` said enough; at most `limit` plus one chunk. */
+  readonly receivedBytes: number
+
+  constructor (what: string, details: {
+    key: string | null, attempts: number, status: number, headers: Headers, replayed: boolean,
+    limit: number, declaredBytes: number | null, receivedBytes: number
+  }) {
+    const size = details.declaredBytes !== null ? `Content-Length ${details.declaredBytes}` : `more than ${details.limit} bytes arrived`
+    super(`fastify-idempotency/client: the ${details.status} answer to ${what} exceeds maxResponseBytes (${details.limit}): ${size}`)
+    this.name = 'ResponseTooLargeError'
+    this.key = details.key
+    this.attempts = details.attempts
+    this.status = details.status
+    this.headers = details.headers
+    this.replayed = details.replayed
+    this.limit = details.limit
+    this.declaredBytes = details.declaredBytes
+    this.receivedBytes = details.receivedBytes
+  }
+}
+
 function describe (value: unknown): string {
   if (value === null || value === undefined) return String(value)
   let shown: string

@@ -10,8 +10,9 @@
  * result.status; result.replayed; result.attempts; result.key; result.json()
  */
 export { createIdempotentClient, type IdempotentClient, type RequestOptions } from './client.js'
-export { InvalidOptionError, NoAnswerError } from './errors.js'
+export { InvalidOptionError, NoAnswerError, ResponseTooLargeError } from './errors.js'
 export type { BackoffOptions, FetchLike, IdempotentClientOptions, Sleep } from './options.js'
 export type { JsonValue, RequestBody } from './body.js'
+export type { RedirectMode } from './redirect.js'
 export type { ProblemDetails } from './problem.js'
 export type { IdempotentResponse } from './response.js'

@@ -1,4 +1,5 @@
 import { InvalidOptionError } from './errors.js'
+import type { RedirectMode } from './redirect.js'
 
 /** The subset of the global `fetch` the client calls; inject one for tests or a custom agent. */
 export type FetchLike = (input: string, init: RequestInit) => Promise<Response>
@@ -49,6 +50,21 @@ export interface IdempotentClientOptions {
   readonly retryStatuses?: readonly number[]
   /** Headers sent with every request (a request's own headers override them). */
   readonly headers?: Readonly<Record<string, string>>
+  /**
+   * `'manual'`: a 3xx is the answer, returned with its `Location`, never followed. `'same-origin'`:
+   * redirects to the request's own origin are followed (at most 5 hops; a 303, or a 301/302 to a
+   * POST, becomes a GET without the body and without the key); one to another origin is returned as
+   * the answer. Nothing (body, key, `headers`) is ever sent to an origin the caller did not name.
+   * @defaultValue 'manual'
+   */
+  readonly redirect?: RedirectMode
+  /**
+   * Largest response body read, in bytes. A `Content-Length` over it is refused before reading; a
+   * longer body is cut off as it arrives and the connection closed; the call rejects with
+   * `ResponseTooLargeError` (the status, headers and key; not retried).
+   * @defaultValue 8_388_608 (8 MiB)
+   */
+  readonly maxResponseBytes?: number
   /** @defaultValue the global `fetch` */
   readonly fetch?: FetchLike
   /** Uniform in [0, 1): the backoff jitter. @defaultValue `Math.random` */
@@ -68,6 +84,8 @@ export interface ResolvedClientOptions {
   readonly backoffMaxMs: number
   readonly retryStatuses: ReadonlySet<number>
   readonly headers: Readonly<Record<string, string>>
+  readonly redirect: RedirectMode
+  readonly maxResponseBytes: number
   readonly fetch: FetchLike
   readonly random: () => number
   readonly sleep: Sleep
@@ -77,7 +95,19 @@ export interface ResolvedClientOptions {
 /** setTimeout's ceiling: a longer delay fires at once. */
 const MAX_TIMER_MS = 2_147_483_647
 
-const KNOWN = new Set(['baseUrl', 'maxAttempts', 'timeoutMs', 'deadlineMs', 'backoff', 'retryStatuses', 'headers', 'fetch', 'random', 'sleep', 'now'])
+/**
+ * 8× the plugin's own default `maxResponseBytes` (1 MiB): an answer the server can replay fits with
+ * room to spare, while one call cannot make the client hold more than a few MiB.
+ */
+const DEFAULT_MAX_RESPONSE_BYTES = 8 * 1024 * 1024
+
+/** 2 GiB − 1: the largest single buffer every JavaScript engine the client runs on can allocate. */
+const MAX_RESPONSE_BYTES = 2_147_483_647
+
+const KNOWN = new Set([
+  'baseUrl', 'maxAttempts', 'timeoutMs', 'deadlineMs', 'backoff', 'retryStatuses', 'headers', 'redirect', 'maxResponseBytes',
+  'fetch', 'random', 'sleep', 'now'
+])
 
 export function resolveClientOptions (options: IdempotentClientOptions = {}): ResolvedClientOptions {
   if (typeof options !== 'object' || options === null) throw new InvalidOptionError('options', 'an object', options)
@@ -97,6 +127,8 @@ export function resolveClientOptions (options: IdempotentClientOptions = {}): Re
     backoffMaxMs,
     retryStatuses: retryStatuses(options.retryStatuses),
     headers: headerRecord('headers', options.headers),
+    redirect: redirect(options.redirect),
+    maxResponseBytes: integer('maxResponseBytes', options.maxResponseBytes, DEFAULT_MAX_RESPONSE_BYTES, 0, MAX_RESPONSE_BYTES),
     fetch: fn('fetch', options.fetch) ?? ((input, init) => fetch(input, init)),
     random: fn('random', options.random) ?? Math.random,
     sleep: fn('sleep', options.sleep) ?? sleep,
@@ -121,6 +153,14 @@ function baseUrl (value: unknown): URL | null {
   // Without a trailing slash, `new URL('payments', 'https://api.example.com/v1')` would drop `v1`.
   if (!url.pathname.endsWith('/')) url.pathname += '/'
   return url
+}
+
+function redirect (value: unknown): RedirectMode {
+  if (value === undefined) return 'manual'
+  if (value === 'manual' || value === 'same-origin') return value
+  // 'follow' (fetch's default) is refused by name: it is what sends the body, the key and the
+  // credentials to whichever origin a Location names.
+  throw new InvalidOptionError('redirect', '\'manual\' or \'same-origin\' (fetch\'s \'follow\' would send the body, key and headers to any origin)', value)
 }
 
 function retryStatuses (value: unknown): ReadonlySet<number> {
