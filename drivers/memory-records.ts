@@ -61,13 +61,15 @@ export class Records<E extends Keyed<E>> {
     this.#size++
   }
 
-  delete (entry: E): void {
+  /** Deletes `entry`; false when it was not there (so nothing it held is counted off twice). */
+  delete (entry: E): boolean {
     const bucket = entry.bucket
-    if (bucket.keys.get(entry.key) !== entry) return
+    if (bucket.keys.get(entry.key) !== entry) return false
     bucket.keys.delete(entry.key)
     this.#size--
     // A scope's bucket goes with its last record: scopes come and go (tenants), they must not pile up.
     if (bucket.keys.size === 0 && this.#scopes.get(bucket.scope) === bucket) this.#scopes.delete(bucket.scope)
+    return true
   }
 
   /** Every record; deleting records meanwhile is safe (Map iteration skips what was deleted). */

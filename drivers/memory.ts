@@ -154,7 +154,7 @@ export function memoryStore (options: MemoryStoreOptions = {}): MemoryStore {
   }
 
   function drop (entry: Entry): void {
-    entries.delete(entry)
+    if (!entries.delete(entry)) return
     count(entry, -entry.bytes)
     if (entry.headers !== null) headerSets.release(entry.headers)
   }
