@@ -138,8 +138,9 @@ async function fullGc (): Promise<NodeJS.MemoryUsage> {
 
 async function capacityChild (method: 'plugin' | 'store'): Promise<void> {
   const { default: idempotency, memoryStore } = await import('../lib/index.js')
-  // The same store in both fills: room for every record, no purge timer.
-  const store = memoryStore({ purgeInterval: 0, maxEntries: RECORDS + 1, maxBytes: 2 ** 33 })
+  // The same store in both fills: room for every record, no purge timer, and one scope ('bench')
+  // allowed the whole store (its share is a quarter by default).
+  const store = memoryStore({ purgeInterval: 0, maxEntries: RECORDS + 1, maxBytes: 2 ** 33, maxEntriesPerScope: RECORDS + 1, maxBytesPerScope: 2 ** 33 })
   /** Fills records [from, to). */
   let fill: (from: number, to: number) => Promise<void>
   if (method === 'plugin') {

@@ -1,7 +1,7 @@
 import { randomUUID } from 'node:crypto'
 import { fingerprintsEqual } from '../lib/fingerprint.js'
-import { HeaderSets, Slabs } from './memory-packing.js'
-import { compactKey, Records } from './memory-records.js'
+import { HeaderSets, OWN_BUFFER_OVERHEAD, Slabs, type HeaderSet } from './memory-packing.js'
+import { compactKey, Records, type Bucket } from './memory-records.js'
 import { InvalidOptionError } from '../lib/errors.js'
 import { integerOption, MAX_TIMER_MS } from '../lib/validate.js'
 import type { InspectedRecord, RecoveryTools } from '../lib/admin.js'
@@ -15,10 +15,28 @@ export interface MemoryStoreOptions {
   maxEntries?: number
   /** Approximate bytes of keys, headers and bodies held at once; same refusal when exceeded. @defaultValue 805_306_368 (768 MiB: room for the default maxEntries of small records) */
   maxBytes?: number
+  /**
+   * Most records one scope (tenant) holds at once; past it that scope's new claims are refused, and
+   * only that scope's, so one tenant cannot fill the store for every tenant. Set it to `maxEntries`
+   * to let one scope use the whole store (an unscoped app: every record is in the scope `''`).
+   * @defaultValue a quarter of maxEntries
+   */
+  maxEntriesPerScope?: number
+  /** Approximate bytes one scope holds at once; same refusal, for that scope only. @defaultValue a quarter of maxBytes */
+  maxBytesPerScope?: number
   /** How often expired records are swept, in ms; 0 disables the timer (reads still honour expiry). @defaultValue 60_000 */
   purgeInterval?: number
   /** The clock, in ms since the epoch. Tests inject one to move time. @defaultValue Date.now */
   now?: () => number
+}
+
+/** What the store holds now, as it counts it against its bounds. */
+export interface MemoryStoreUsage {
+  readonly records: number
+  /** The bytes counted against `maxBytes`. */
+  readonly bytes: number
+  /** Scopes holding at least one record. */
+  readonly scopes: number
 }
 
 /** The memory store: the plugin's store contract, recovery points, and the operator tools. */
@@ -26,20 +44,31 @@ export interface MemoryStore extends IdempotencyStore, RecoveryTools {
   loadSteps (lease: Lease): Promise<StepResults | null>
   saveStep (lease: Lease, name: string, resultJson: string): Promise<boolean>
   hold (lease: Lease): Promise<boolean>
+  /** What the store holds now (records, counted bytes, scopes): for a gauge, or an alert before it is full. */
+  usage (): MemoryStoreUsage
 }
 
-/** Thrown by `claim` when the memory store is full of unexpired records: nothing live is ever dropped. */
+/**
+ * Thrown by `claim` when the memory store, or the claiming scope's share of it, is full of
+ * unexpired records: nothing live is ever dropped.
+ */
 export class MemoryStoreFullError extends Error {
   readonly code = 'FST_IDEMPOTENCY_MEMORY_STORE_FULL'
+  /** True when only the claiming scope was refused (it holds its share); false when the whole store is full. */
+  readonly scoped: boolean
 
-  constructor (limit: string) {
-    super(`fastify-idempotency: the memory store is full (${limit}); no unexpired record is dropped, so new keys are refused until records expire`)
+  constructor (limit: string, scoped = false) {
+    super(scoped
+      ? `fastify-idempotency: this scope holds its share of the memory store (${limit}); no unexpired record is dropped, so its new keys are refused until its records expire (other scopes are served)`
+      : `fastify-idempotency: the memory store is full (${limit}); no unexpired record is dropped, so new keys are refused until records expire`)
     this.name = 'MemoryStoreFullError'
+    this.scoped = scoped
   }
 }
 
 interface Entry {
-  readonly scope: string
+  /** The scope's bucket (its scope, and what the scope holds). */
+  readonly bucket: Bucket<Entry>
   readonly key: string
   state: 'in_progress' | 'completed'
   /** In progress: the request's fingerprint. Completed: null, its digest is packed with the body. */
@@ -60,7 +89,9 @@ interface Entry {
   /** Completed: false when the body was not retained (over maxResponseBytes). */
   retained: boolean
   statusCode: number
-  headers: Readonly<Record<string, string | string[]>> | null
+  /** Completed: the recorded headers, frozen deep down and shared with identical sets (memory-packing.ts). */
+  headers: HeaderSet | null
+  /** Counted against maxBytes, and against its scope's maxBytesPerScope. */
   bytes: number
   /** In progress: recorded step results (JSON text by name), or null before the first. */
   steps: Map<string, string> | null
@@ -79,6 +110,9 @@ export function isMemoryStore (store: unknown): boolean {
 /** Per-record bookkeeping (Map slot, entry object, timestamps) counted against `maxBytes`. */
 const ENTRY_OVERHEAD = 160
 const SWEEP_SLICE = 10_000
+/** The default per-scope bounds are this fraction of the store's: four tenants at their share fill it. */
+const SCOPE_SHARE = 4
+const NO_HEADERS: Readonly<Record<string, string>> = Object.freeze({})
 
 /**
  * The embedded default: one process, nothing to install. Every operation runs synchronously inside
@@ -88,6 +122,10 @@ const SWEEP_SLICE = 10_000
 export function memoryStore (options: MemoryStoreOptions = {}): MemoryStore {
   const maxEntries = integerOption('memoryStore option "maxEntries"', options.maxEntries, 1_000_000, 1, Number.MAX_SAFE_INTEGER)
   const maxBytes = integerOption('memoryStore option "maxBytes"', options.maxBytes, 768 * 1024 * 1024, 1, Number.MAX_SAFE_INTEGER, 'bytes')
+  // Issue 16: with one global bound, a tenant that filled the store (768 requests of 1 MiB took
+  // 14 s) had every tenant answered 503 until its records expired. Each scope is bounded to a share.
+  const maxEntriesPerScope = integerOption('memoryStore option "maxEntriesPerScope"', options.maxEntriesPerScope, Math.max(1, Math.floor(maxEntries / SCOPE_SHARE)), 1, Number.MAX_SAFE_INTEGER)
+  const maxBytesPerScope = integerOption('memoryStore option "maxBytesPerScope"', options.maxBytesPerScope, Math.max(1, Math.floor(maxBytes / SCOPE_SHARE)), 1, Number.MAX_SAFE_INTEGER, 'bytes')
   const purgeInterval = integerOption('memoryStore option "purgeInterval"', options.purgeInterval, 60_000, 0, MAX_TIMER_MS, 'ms')
   const now = options.now ?? Date.now
   if (typeof now !== 'function') throw new InvalidOptionError('memoryStore option "now"', 'a function returning ms since the epoch', now)
@@ -104,7 +142,10 @@ export function memoryStore (options: MemoryStoreOptions = {}): MemoryStore {
   timer?.unref()
 
   function live (scope: string, key: string, at: number): Entry | undefined {
-    const entry = entries.get(scope, key)
+    return unexpired(entries.get(scope, key), at)
+  }
+
+  function unexpired (entry: Entry | undefined, at: number): Entry | undefined {
     if (entry !== undefined && entry.expiresAt <= at) {
       drop(entry)
       return undefined
@@ -113,8 +154,16 @@ export function memoryStore (options: MemoryStoreOptions = {}): MemoryStore {
   }
 
   function drop (entry: Entry): void {
-    entries.delete(entry)
-    bytes -= entry.bytes
+    if (!entries.delete(entry)) return
+    count(entry, -entry.bytes)
+    if (entry.headers !== null) headerSets.release(entry.headers)
+  }
+
+  /** Counts `size` more bytes (fewer when negative) for the record, its scope and the store. */
+  function count (entry: Entry, size: number): void {
+    entry.bytes += size
+    entry.bucket.bytes += size
+    bytes += size
   }
 
   function owned (lease: Lease, at: number): Entry | undefined {
@@ -122,15 +171,32 @@ export function memoryStore (options: MemoryStoreOptions = {}): MemoryStore {
     return entry !== undefined && entry.state === 'in_progress' && entry.token === lease.token ? entry : undefined
   }
 
-  function makeRoom (at: number): void {
-    if (entries.size < maxEntries && bytes < maxBytes) return
-    // A full scan at most once a second, so a store full of live records refuses quickly.
-    if (at - lastFullPurge >= 1000) {
-      lastFullPurge = at
-      purge(Infinity, at)
+  /**
+   * Room for one more record of `bucket`'s scope, or a MemoryStoreFullError. Four counters on the
+   * hot path; a scan only when a bound is reached. No live record is ever dropped to make room (it
+   * would let its operation run again): not another scope's, and not the claiming scope's own.
+   */
+  function makeRoom (bucket: Bucket<Entry>, at: number): void {
+    if (entries.size < maxEntries && bytes < maxBytes && bucket.keys.size < maxEntriesPerScope && bucket.bytes < maxBytesPerScope) return
+    if (entries.size >= maxEntries || bytes >= maxBytes) {
+      // A full scan at most once a second, so a store full of live records refuses quickly.
+      if (at - lastFullPurge >= 1000) {
+        lastFullPurge = at
+        purge(Infinity, at)
+      }
+      if (entries.size >= maxEntries) throw new MemoryStoreFullError(`${maxEntries} records`)
+      if (bytes >= maxBytes) throw new MemoryStoreFullError(`${maxBytes} bytes`)
     }
-    if (entries.size >= maxEntries) throw new MemoryStoreFullError(`${maxEntries} records`)
-    if (bytes >= maxBytes) throw new MemoryStoreFullError(`${maxBytes} bytes`)
+    if (bucket.keys.size >= maxEntriesPerScope || bucket.bytes >= maxBytesPerScope) {
+      // The scope's own records only, at most once a second per scope: a tenant at its share pays
+      // for scanning what it holds, and nobody else does.
+      if (at - bucket.lastPurge >= 1000) {
+        bucket.lastPurge = at
+        for (const entry of bucket.keys.values()) if (entry.expiresAt <= at) drop(entry)
+      }
+      if (bucket.keys.size >= maxEntriesPerScope) throw new MemoryStoreFullError(`maxEntriesPerScope: ${maxEntriesPerScope} records`, true)
+      if (bucket.bytes >= maxBytesPerScope) throw new MemoryStoreFullError(`maxBytesPerScope: ${maxBytesPerScope} bytes`, true)
+    }
   }
 
   function purge (limit: number, at: number): number {
@@ -175,8 +241,7 @@ export function memoryStore (options: MemoryStoreOptions = {}): MemoryStore {
     let size = 0
     for (const [name, json] of entry.steps) size += (name.length + json.length) * 2
     entry.steps = null
-    entry.bytes -= size
-    bytes -= size
+    count(entry, -size)
   }
 
 
@@ -187,7 +252,7 @@ export function memoryStore (options: MemoryStoreOptions = {}): MemoryStore {
       for (const entry of entries) {
         if (found.length >= limit) break
         if (entry.state === 'in_progress' && entry.expiresAt > at && entry.leaseUntil + olderThanMs <= at) {
-          found.push({ scope: entry.scope, key: entry.key, token: entry.token })
+          found.push({ scope: entry.bucket.scope, key: entry.key, token: entry.token })
         }
       }
       return found
@@ -231,12 +296,13 @@ export function memoryStore (options: MemoryStoreOptions = {}): MemoryStore {
   // Every operation runs synchronously within one call; the plugin calls these directly (lib/store.ts).
   function claim (request: ClaimRequest): ClaimResult {
     const at = now()
-    const entry = live(request.scope, request.key, at)
+    const bucket = entries.bucketOf(request.scope)
+    const entry = unexpired(bucket.keys.get(request.key), at)
     if (entry === undefined) {
-      makeRoom(at)
+      makeRoom(bucket, at)
       const token = randomUUID()
       const created: Entry = {
-        scope: request.scope,
+        bucket,
         key: compactKey(request.key),
         state: 'in_progress',
         fingerprint: request.fingerprint,
@@ -251,14 +317,14 @@ export function memoryStore (options: MemoryStoreOptions = {}): MemoryStore {
         retained: false,
         statusCode: 0,
         headers: null,
-        bytes: ENTRY_OVERHEAD + (request.scope.length + request.key.length) * 2,
+        bytes: 0,
         steps: null,
         indeterminate: false,
         createdAt: at
       }
       outliveLease(created)
       entries.add(created)
-      bytes += created.bytes
+      count(created, ENTRY_OVERHEAD + (request.scope.length + request.key.length) * 2)
       return { outcome: 'acquired', lease: { scope: request.scope, key: request.key, token }, takeover: false }
     }
     if (entry.state === 'in_progress' && entry.leaseUntil <= at && !entry.indeterminate && fingerprintsEqual(fingerprintOf(entry), request.fingerprint)) {
@@ -280,7 +346,7 @@ export function memoryStore (options: MemoryStoreOptions = {}): MemoryStore {
     const entry = owned(lease, at)
     if (entry === undefined) return false
     const digest = (entry.fingerprint as Fingerprint).digest
-    entry.offset = slabs.pack(digest, response.body)
+    entry.offset = slabs.pack(digest, response.body, ttlMs)
     entry.slab = slabs.last
     entry.length = digest.length + (response.body?.length ?? 0)
     entry.digestLength = digest.length
@@ -290,11 +356,9 @@ export function memoryStore (options: MemoryStoreOptions = {}): MemoryStore {
     entry.fingerprint = null
     entry.token = ''
     dropSteps(entry)
-    const size = entry.length + headerBytes(response.headers)
     entry.state = 'completed'
     entry.expiresAt = at + ttlMs
-    entry.bytes += size
-    bytes += size
+    count(entry, entry.length + entry.headers.bytes + (slabs.own ? OWN_BUFFER_OVERHEAD : 0))
     return true
   }
 
@@ -347,9 +411,7 @@ export function memoryStore (options: MemoryStoreOptions = {}): MemoryStore {
       if (entry === undefined || entry.steps?.has(name) === true) return false
       entry.steps ??= new Map()
       entry.steps.set(name, resultJson)
-      const size = (name.length + resultJson.length) * 2
-      entry.bytes += size
-      bytes += size
+      count(entry, (name.length + resultJson.length) * 2)
       return true
     },
 
@@ -376,7 +438,7 @@ export function memoryStore (options: MemoryStoreOptions = {}): MemoryStore {
       const at = now()
       const held: InspectedRecord[] = []
       for (const entry of entries) {
-        if (entry.state === 'in_progress' && entry.indeterminate) held.push(inspected(entry, entry, at))
+        if (entry.state === 'in_progress' && entry.indeterminate) held.push(inspected({ scope: entry.bucket.scope, key: entry.key }, entry, at))
       }
       return held.sort((a, b) => a.createdAt.getTime() - b.createdAt.getTime()).slice(0, most)
     },
@@ -393,11 +455,16 @@ export function memoryStore (options: MemoryStoreOptions = {}): MemoryStore {
     startReconciler: (options: ReconcilerOptions) =>
       startReconcilerWith(reconcileSource, options, 'memoryStore.startReconciler'),
 
+    usage (): MemoryStoreUsage {
+      return { records: entries.size, bytes, scopes: entries.scopes }
+    },
+
     async close (): Promise<void> {
       closed = true
       if (timer !== null) clearInterval(timer)
       entries.clear()
       headerSets.clear()
+      slabs.clear()
       bytes = 0
     }
   }
@@ -440,16 +507,8 @@ function fingerprintOf (entry: Entry): Fingerprint {
 function responseOf (entry: Entry): StoredResponse {
   return {
     statusCode: entry.statusCode,
-    headers: entry.headers ?? {},
+    // Frozen deep down (memory-packing.ts): what a caller is handed cannot change the record.
+    headers: (entry.headers?.value ?? NO_HEADERS) as StoredResponse['headers'],
     body: entry.retained ? (entry.slab as Buffer).subarray(entry.offset + entry.digestLength, entry.offset + entry.length) : null
   }
-}
-
-function headerBytes (headers: Readonly<Record<string, string | string[]>>): number {
-  let size = 0
-  for (const name in headers) {
-    const value = headers[name]
-    size += name.length + (Array.isArray(value) ? value.join('').length : (value ?? '').length)
-  }
-  return size
 }

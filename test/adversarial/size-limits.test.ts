@@ -173,7 +173,8 @@ t.test('a flood of distinct keys against maxEntries: 503 store-unavailable past 
   const clock = manualClock()
   const maxEntries = 100
   const ttl = 60_000
-  const h = await sizeApp(t, { memory: { maxEntries, now: clock.now }, plugin: { ttl } })
+  // One scope ('test') against the whole store's bound: its share is the whole store (the shares: test/memory-fairness.test.ts).
+  const h = await sizeApp(t, { memory: { maxEntries, maxEntriesPerScope: maxEntries, now: clock.now }, plugin: { ttl } })
   const answers = new Map<number, number>()
   for (let i = 0; i < 1000; i++) {
     const res = await echo(h.app, `flood-${i}`, '{}')
@@ -201,7 +202,7 @@ t.test('a flood of distinct keys against maxEntries: 503 store-unavailable past 
 t.test('a flood of large responses against maxBytes: refused once the byte budget is spent, never over it by more than one record', async (t) => {
   const maxBytes = 64 * 1024
   const recordBytes = 4096
-  const h = await sizeApp(t, { memory: { maxBytes } })
+  const h = await sizeApp(t, { memory: { maxBytes, maxBytesPerScope: maxBytes } })
   let executed = 0
   let refused = 0
   for (let i = 0; i < 100; i++) {

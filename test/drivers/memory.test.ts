@@ -28,7 +28,8 @@ t.test('expiry is honoured on every read and claim, to the millisecond', async (
 
 t.test('a full store refuses new claims with a clear error and never drops live records', async (t) => {
   const clock = manualClock()
-  const store = memoryStore({ now: clock.now, purgeInterval: 0, maxEntries: 3 })
+  // One scope filling the whole store: its share made the whole store (test/memory-fairness.test.ts tests the shares).
+  const store = memoryStore({ now: clock.now, purgeInterval: 0, maxEntries: 3, maxEntriesPerScope: 3 })
   t.teardown(() => store.close())
   for (let i = 0; i < 3; i++) await store.claim({ scope: 's', key: `k${i}`, fingerprint: fp, leaseMs: 100, ttlMs: 1000 })
   await t.rejects(store.claim({ scope: 's', key: 'k3', fingerprint: fp, leaseMs: 100, ttlMs: 1000 }), MemoryStoreFullError)
