@@ -129,3 +129,50 @@ t.test('canonical-v1 of a known request is, byte for byte, the digest stored rec
   const stored = '509bb910708bbdce6813172a2578ebc8661e384b2cf31a814e8b8f405a34817c'
   t.equal(canonicalFingerprint('POST', '/pay', { currency: 'eur', amount: 100 }, 'application/json').digest.toString('hex'), stored)
 })
+
+/*
+ * Finding 6: fingerprinting a large body cost about 5x parsing it (benchmarks/fingerprint.ts has
+ * the ratios). Two causes, each checked here by what the walk does rather than by how long it
+ * takes: one JSON.stringify call per value, and the whole canonical text built before hashing.
+ */
+
+/** How many times JSON.stringify runs while `fn` runs. */
+function stringifyCalls (fn: () => void): number {
+  const original = JSON.stringify
+  let calls = 0
+  JSON.stringify = function counted (this: unknown, ...args: Parameters<typeof JSON.stringify>) {
+    calls++
+    return original.apply(this, args)
+  } as typeof JSON.stringify
+  try {
+    fn()
+  } finally {
+    JSON.stringify = original
+  }
+  return calls
+}
+
+t.test('values with a fast path are written without one JSON.stringify call each', async (t) => {
+  const numbers: unknown = JSON.parse(JSON.stringify(Array.from({ length: 100_000 }, (_, i) => i * 3)))
+  const records: unknown = JSON.parse(JSON.stringify(Array.from({ length: 10_000 }, (_, i) => ({ name: `item-${i}`, id: i, sku: 'ABC' }))))
+  let calls = stringifyCalls(() => canonicalFingerprint('POST', '/p', numbers, 'application/json'))
+  t.ok(calls <= 1, `a flat array of 100,000 numbers: ${calls} calls`)
+  calls = stringifyCalls(() => canonicalFingerprint('POST', '/p', records, 'application/json'))
+  t.ok(calls <= 10, `10,000 objects with unsorted members and plain strings: ${calls} calls`)
+  // Strings that need escapes still go through JSON.stringify, which is what defines their text.
+  calls = stringifyCalls(() => canonicalFingerprint('POST', '/p', { a: 'line\nbreak', b: 'quote"' }, 'application/json'))
+  t.ok(calls >= 1, 'escapes are left to JSON.stringify')
+})
+
+t.test('the canonical text is handed to the hash in bounded chunks, never built whole', async (t) => {
+  const { writeCanonical, UNLIMITED } = await import('../lib/fingerprint-canonical.js')
+  const body: unknown = JSON.parse(JSON.stringify(Array.from({ length: 30_000 }, (_, i) => ({ z: i, a: `é-${i}`, m: [i, { y: null, x: true }] }))))
+  const chunks: string[] = []
+  const rest = writeCanonical(body, UNLIMITED, 'POST\n/p\njson:', (chunk) => { chunks.push(chunk) })
+  const whole = referenceJson(body)
+  t.ok(whole.length > 1_000_000, `a large body (${whole.length} characters)`)
+  t.ok(chunks.length > 20, `${chunks.length} chunks`)
+  const longest = Math.max(...chunks.map((chunk) => chunk.length), rest.length)
+  t.ok(longest < 40_000, `no chunk longer than about 32 Ki characters (longest ${longest})`)
+  t.equal(chunks.join('') + rest, `POST\n/p\njson:${whole}`, 'together, exactly the canonical text')
+})
