@@ -4,7 +4,7 @@ import { answer, type Engine } from './engine.js'
 import { observe } from './observe.js'
 import { canonicalFingerprint, customFingerprint, finishRawHash, startRawHash } from './fingerprint.js'
 import { CanonicalLimitError } from './fingerprint-canonical.js'
-import { keyedFingerprint, matchFingerprint } from './fingerprint-keys.js'
+import { keyedFingerprint, matchFingerprint, UNVERIFIABLE } from './fingerprint-keys.js'
 import { SealedResponseError } from './encryption.js'
 import { RequestContext } from './recovery.js'
 import { scopeOf } from './scope.js'
@@ -79,16 +79,16 @@ function useFingerprint (engine: Engine, request: FastifyRequest, state: Request
 }
 
 /**
- * A record made for this request under an older fingerprint key still in the ring, found in
- * progress: the request takes the record's spelling of its fingerprint (so the store, which
- * compares fingerprints byte for byte, hands a lapsed lease over to it) and claims again, once.
- * Null when there is nothing to adopt: the record's fingerprint is the request's own, or another
- * request's (422).
+ * A record made for this request under another spelling of its fingerprint (an older key still in
+ * the ring, or the unkeyed one from before encryption), found in progress: the request takes the
+ * record's spelling (so the store, which compares fingerprints byte for byte, hands a lapsed lease
+ * over to it) and claims again, once. Null when there is nothing to adopt: the record's
+ * fingerprint is the request's own, another request's (422), or unverifiable (503).
  */
 function adoptRotated (engine: Engine, request: FastifyRequest, state: RequestState, held: ClaimInProgress | ClaimCompleted, fingerprint: Fingerprint): Fingerprint | null {
   if (held.outcome !== 'in_progress' || state.adoptedFingerprint || held.fingerprint.algorithm === fingerprint.algorithm) return null
-  const matched = matchFingerprint(engine.fingerprintKeys, fingerprint, state.unkeyedFingerprint as Fingerprint, held.fingerprint)
-  if (matched === null) return null
+  const matched = matchOf(engine, state, held.fingerprint, fingerprint)
+  if (matched === null || matched === UNVERIFIABLE) return null
   state.adoptedFingerprint = true
   useFingerprint(engine, request, state, matched)
   return matched
@@ -129,7 +129,7 @@ async function claimLoop (engine: Engine, request: FastifyRequest, reply: Fastif
     // is left to the store to judge (it may be younger than the store's answer: lib/prefilter.ts).
     let held: ClaimInProgress | ClaimCompleted
     let hit = engine.prefilter === null ? null : await consultPrefilter(engine, state, fingerprint, round === 0)
-    if (hit?.state === 'in_progress' && !sameRequest(engine, state, hit.fingerprint, fingerprint)) hit = null
+    if (hit?.state === 'in_progress' && !isFingerprint(matchOf(engine, state, hit.fingerprint, fingerprint))) hit = null
     if (hit !== null) {
       held = hit.state === 'completed'
         ? { outcome: 'completed', fingerprint: hit.fingerprint, response: hit.response }
@@ -184,7 +184,13 @@ async function claimLoop (engine: Engine, request: FastifyRequest, reply: Fastif
 function answerHeld (engine: Engine, request: FastifyRequest, reply: FastifyReply, state: RequestState, held: ClaimInProgress | ClaimCompleted, fingerprint: Fingerprint): FastifyReply | Promise<FastifyReply> | null {
   // Draft §2.7: a key reused with a different request is a client error whatever the state of the
   // original, so 422 is checked before 409 (the client must correct the request either way).
-  if (!sameRequest(engine, state, held.fingerprint, fingerprint)) {
+  const matched = matchOf(engine, state, held.fingerprint, fingerprint)
+  if (matched === UNVERIFIABLE) {
+    // Never a bypass, whatever onStoreError says: the record exists, so running would run twice.
+    observe(engine.metrics, state, 'store_error', 'error', 'idempotency: the record\'s fingerprint was made under a key id that is not in the encryption keys (removed before its records expired, or encryption turned off); answering 503')
+    return answer(engine, state, reply, { kind: 'store-unavailable', retryAfter: state.settings.retryAfter })
+  }
+  if (matched === null) {
     observe(engine.metrics, state, 'mismatch', 'info', 'idempotency: key reused with a different request')
     return answer(engine, state, reply, { kind: 'key-reused' })
   }
@@ -192,11 +198,16 @@ function answerHeld (engine: Engine, request: FastifyRequest, reply: FastifyRepl
 }
 
 /**
- * Whether `stored` was made for this request: the same fingerprint, or the request's under an
- * older fingerprint key still in the ring (a retry across a key rotation is the same request).
+ * Whether `stored` was made for this request (lib/fingerprint-keys.ts): the same fingerprint, the
+ * request's under an older key still in the ring, or its unkeyed one for a record made before
+ * encryption was enabled; null for another request; UNVERIFIABLE for a key no longer in the ring.
  */
-function sameRequest (engine: Engine, state: RequestState, stored: Fingerprint, fingerprint: Fingerprint): boolean {
-  return matchFingerprint(engine.fingerprintKeys, fingerprint, state.unkeyedFingerprint ?? fingerprint, stored) !== null
+function matchOf (engine: Engine, state: RequestState, stored: Fingerprint, fingerprint: Fingerprint): ReturnType<typeof matchFingerprint> {
+  return matchFingerprint(engine.fingerprintKeys, fingerprint, state.unkeyedFingerprint ?? fingerprint, stored)
+}
+
+function isFingerprint (matched: ReturnType<typeof matchFingerprint>): matched is Fingerprint {
+  return matched !== null && matched !== UNVERIFIABLE
 }
 
 function refuseInProgress (engine: Engine, reply: FastifyReply, state: RequestState): FastifyReply {

@@ -59,20 +59,28 @@ function mac (key: KeyObject, digest: Buffer): Buffer {
   return createHmac('sha256', key).update(digest).digest()
 }
 
+/** A keyed record under a key id not in the ring: whether it is this request cannot be known. */
+export const UNVERIFIABLE = Symbol('fastify-idempotency.unverifiable-fingerprint')
+
 /**
  * The request's fingerprint as `stored` spells it, when the request is the one `stored` was made
- * for: `own` itself (same algorithm, same digest), or, after a key rotation, the request's MAC
- * under the older key `stored` names, still in the ring. Otherwise null: another request, another
- * algorithm (an unkeyed record made before encryption, a raw one on a canonical route), or a key
- * no longer in the ring, all of them 422, never a second execution.
+ * for, or null when it is another request (422, never a second execution):
+ * - the same algorithm: `own`, when the digests are equal;
+ * - with `encryption`, a record made before it was enabled (the unkeyed algorithm): `unkeyed`, when
+ *   its digest is equal, as unsealed responses of that time are still replayed (lib/encryption.ts);
+ * - a record keyed under an older key still in the ring (a rotation): the request's MAC under it,
+ *   when equal.
+ * A keyed record whose key is not in the ring (removed too early, or encryption turned off) is
+ * UNVERIFIABLE: the record says an operation happened, and calling its retry "another request"
+ * would be a guess, so the plugin answers 503 as it does for a sealed response that cannot be opened.
  */
-export function matchFingerprint (keys: FingerprintKeys | null, own: Fingerprint, unkeyed: Fingerprint, stored: Fingerprint): Fingerprint | null {
+export function matchFingerprint (keys: FingerprintKeys | null, own: Fingerprint, unkeyed: Fingerprint, stored: Fingerprint): Fingerprint | null | typeof UNVERIFIABLE {
   if (own.algorithm === stored.algorithm) return own.digest.equals(stored.digest) ? own : null
-  if (keys === null) return null
+  if (stored.algorithm === unkeyed.algorithm) return unkeyed.digest.equals(stored.digest) ? unkeyed : null
   const prefix = `${KEYED_PREFIX}${unkeyed.algorithm}.`
   if (!stored.algorithm.startsWith(prefix)) return null
-  const key = keys.byId.get(stored.algorithm.slice(prefix.length))
-  if (key === undefined) return null
+  const key = keys?.byId.get(stored.algorithm.slice(prefix.length))
+  if (key === undefined) return UNVERIFIABLE
   const digest = mac(key, unkeyed.digest)
   return digest.equals(stored.digest) ? { algorithm: stored.algorithm, digest } : null
 }

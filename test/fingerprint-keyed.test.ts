@@ -168,19 +168,38 @@ t.test('key rotation: an in-progress record under k1 is 409 while its owner live
   t.equal(runs(), 1)
 })
 
-t.test('a record keyed by a key no longer in the ring, or made before encryption, never matches: 422, never a second execution', async (t) => {
+t.test('records made before encryption was enabled (unkeyed) are still recognised: replayed, taken over, told apart', async (t) => {
+  const clock = manualClock(Date.now())
+  const store = memory(t, clock.now)
+  const plain = await world(t, store)
+  const original = await plain.pay('legacy-done')
+  t.equal((await storedFingerprint(store, 'legacy-done')).algorithm, 'canonical-v1')
+  await store.claim({ scope: 'test', key: 'legacy-crashed', fingerprint: { algorithm: 'canonical-v1', digest: sha256(CANONICAL_INPUT) }, leaseMs: 1_000, ttlMs: 3_600_000 })
+  clock.advance(2_000)
+
+  const { pay, runs } = await world(t, store, { encryption: ring('k1') })
+  const replay = await pay('legacy-done')
+  t.equal(replay.headers['idempotent-replayed'], 'true', 'the migration path: a record from before encryption replays')
+  t.equal(replay.body, original.body)
+  t.equal((await pay('legacy-done', { ...BODY, amount: 3 })).statusCode, 422)
+  t.equal((await pay('legacy-crashed')).statusCode, 201, 'a lapsed one is taken over')
+  t.equal(runs(), 1)
+  t.equal((await pay('legacy-crashed')).headers['idempotent-replayed'], 'true')
+  t.equal(runs(), 1)
+})
+
+t.test('a record keyed by a key no longer in the ring cannot be checked: 503, never a 422 and never a second execution', async (t) => {
   const clock = manualClock(Date.now())
   const store = memory(t, clock.now)
   await store.claim({ scope: 'test', key: 'removed-key', fingerprint: keyedCanonical('k0'), leaseMs: 1_000, ttlMs: 3_600_000 })
-  await store.claim({ scope: 'test', key: 'unkeyed', fingerprint: { algorithm: 'canonical-v1', digest: sha256(CANONICAL_INPUT) }, leaseMs: 1_000, ttlMs: 3_600_000 })
   clock.advance(2_000)
-  const { pay, runs } = await world(t, store, { encryption: ring('k2', 'k1') })
-  for (const key of ['removed-key', 'unkeyed']) {
-    const res = await pay(key)
-    t.equal(res.statusCode, 422, key)
-    t.equal((JSON.parse(res.body) as { type: string }).type, PROBLEM_TYPE('key-reused'))
+  for (const options of [{ encryption: ring('k2', 'k1') }, {}, { encryption: ring('k1'), onStoreError: 'bypass' as const }]) {
+    const { pay, runs } = await world(t, store, options)
+    const res = await pay('removed-key')
+    t.equal(res.statusCode, 503, `${JSON.stringify(Object.keys(options))}: ${res.body}`)
+    t.equal((JSON.parse(res.body) as { type: string }).type, PROBLEM_TYPE('store-unavailable'))
+    t.equal(runs(), 0, 'not executed')
   }
-  t.equal(runs(), 0)
 })
 
 const DATABASE_URL = process.env.DATABASE_URL
