@@ -2,9 +2,9 @@ import type { FastifyReply, FastifyRequest } from 'fastify'
 import type { IdempotencyContext, RequestState } from './context.js'
 import { answer, type Engine } from './engine.js'
 import { observe } from './observe.js'
-import {
-  canonicalFingerprint, customFingerprint, finishRawHash, fingerprintsEqual, startRawHash
-} from './fingerprint.js'
+import { canonicalFingerprint, customFingerprint, finishRawHash, startRawHash } from './fingerprint.js'
+import { CanonicalLimitError } from './fingerprint-canonical.js'
+import { keyedFingerprint, matchFingerprint, UNVERIFIABLE } from './fingerprint-keys.js'
 import { SealedResponseError } from './encryption.js'
 import { replyValue } from './headers.js'
 import { RequestContext } from './recovery.js'
@@ -40,17 +40,64 @@ export function claimKey (engine: Engine, request: FastifyRequest, reply: Fastif
 
 function claimScoped (engine: Engine, request: FastifyRequest, reply: FastifyReply, state: RequestState, scope: string): Claimed | Promise<Claimed> {
   state.scope = scope
-  const fingerprinted = fingerprintOf(request, state)
-  return isThenable(fingerprinted)
-    ? Promise.resolve(fingerprinted).then((fingerprint) => claimFor(engine, request, reply, state, fingerprint))
-    : claimFor(engine, request, reply, state, fingerprinted)
+  let unkeyed: Fingerprint | Promise<Fingerprint>
+  try {
+    unkeyed = fingerprintOf(request, state)
+  } catch (err) {
+    if (err instanceof CanonicalLimitError) return refuseBody(engine, reply, state, err)
+    throw err
+  }
+  return isThenable(unkeyed)
+    ? Promise.resolve(unkeyed).then((fingerprint) => claimFor(engine, request, reply, state, keyFor(engine, state, fingerprint)))
+    : claimFor(engine, request, reply, state, keyFor(engine, state, unkeyed))
+}
+
+/**
+ * The fingerprint stored for this request: with `encryption`, keyed (lib/fingerprint-keys.ts), so
+ * the store never holds a guessable hash of the request; the unkeyed one stays with the request,
+ * to recognise records made under an older key.
+ */
+function keyFor (engine: Engine, state: RequestState, unkeyed: Fingerprint): Fingerprint {
+  state.unkeyedFingerprint = unkeyed
+  return engine.fingerprintKeys === null ? unkeyed : keyedFingerprint(engine.fingerprintKeys, unkeyed)
+}
+
+/** The parsed body is beyond the route's maxBodyDepth or maxBodyNodes: refused before anything is claimed. */
+function refuseBody (engine: Engine, reply: FastifyReply, state: RequestState, err: CanonicalLimitError): FastifyReply {
+  observe(engine.metrics, state, 'body_refused', 'info', `idempotency: request refused: ${err.message}`)
+  return err.limit === 'depth'
+    ? answer(engine, state, reply, { kind: 'body-too-deep', extensions: { maxBodyDepth: err.max } })
+    : answer(engine, state, reply, { kind: 'body-too-large', extensions: { maxBodyNodes: err.max } })
+}
+
+/** The request's fingerprint: exposed as `request.idempotency.fingerprint`, and what its claim carries. */
+function useFingerprint (engine: Engine, request: FastifyRequest, state: RequestState, fingerprint: Fingerprint): RequestContext {
+  const context = new RequestContext(state.key, state.scope, fingerprint, engine, state)
+  state.context = context
+  // `sql` (atomic mode) is typed by the Postgres entry point's augmentation of IdempotencyContext.
+  request.idempotency = context as IdempotencyContext
+  return context
+}
+
+/**
+ * A record made for this request under another spelling of its fingerprint (an older key still in
+ * the ring, or the unkeyed one from before encryption), found in progress: the request takes the
+ * record's spelling (so the store, which compares fingerprints byte for byte, hands a lapsed lease
+ * over to it) and claims again, once. Null when there is nothing to adopt: the record's
+ * fingerprint is the request's own, another request's (422), or unverifiable (503).
+ */
+function adoptRotated (engine: Engine, request: FastifyRequest, state: RequestState, held: ClaimInProgress | ClaimCompleted, fingerprint: Fingerprint): Fingerprint | null {
+  if (held.outcome !== 'in_progress' || state.adoptedFingerprint || held.fingerprint.algorithm === fingerprint.algorithm) return null
+  const matched = matchOf(engine, state, held.fingerprint, fingerprint)
+  if (matched === null || matched === UNVERIFIABLE) return null
+  state.adoptedFingerprint = true
+  useFingerprint(engine, request, state, matched)
+  return matched
 }
 
 function claimFor (engine: Engine, request: FastifyRequest, reply: FastifyReply, state: RequestState, fingerprint: Fingerprint): Claimed | Promise<Claimed> {
   const settings = state.settings
-  state.context = new RequestContext(state.key, state.scope, fingerprint, engine, state)
-  // `sql` (atomic mode) is typed by the Postgres entry point's augmentation of IdempotencyContext.
-  request.idempotency = state.context as IdempotencyContext
+  useFingerprint(engine, request, state, fingerprint)
   const claim: ClaimRequest = { scope: state.scope, key: state.key, fingerprint, leaseMs: settings.lease, ttlMs: settings.ttl }
   const sync = engine.sync
   if (sync !== null && engine.prefilter === null && settings.wait === 0 && !settings.transaction) {
@@ -64,6 +111,8 @@ function claimFor (engine: Engine, request: FastifyRequest, reply: FastifyReply,
       becomeOwner(engine, reply, state, result)
       return undefined
     }
+    const adopted = adoptRotated(engine, request, state, result, fingerprint)
+    if (adopted !== null) return claimFor(engine, request, reply, state, adopted)
     return answerHeld(engine, request, reply, state, result, fingerprint) ?? refuseInProgress(engine, reply, state)
   }
   return claimLoop(engine, request, reply, state, claim)
@@ -72,7 +121,7 @@ function claimFor (engine: Engine, request: FastifyRequest, reply: FastifyReply,
 /** The claim through the store's promises: with a pre-filter, a `wait` (polling), atomic mode. */
 async function claimLoop (engine: Engine, request: FastifyRequest, reply: FastifyReply, state: RequestState, claim: ClaimRequest): Promise<Claimed> {
   const settings = state.settings
-  const fingerprint = claim.fingerprint
+  let fingerprint = claim.fingerprint
   const deadline = settings.wait > 0 ? Date.now() + settings.wait : 0
   let poll = FIRST_POLL_MS
   for (let round = 0; ; round++) {
@@ -81,7 +130,7 @@ async function claimLoop (engine: Engine, request: FastifyRequest, reply: Fastif
     // is left to the store to judge (it may be younger than the store's answer: lib/prefilter.ts).
     let held: ClaimInProgress | ClaimCompleted
     let hit = engine.prefilter === null ? null : await consultPrefilter(engine, state, fingerprint, round === 0)
-    if (hit?.state === 'in_progress' && !fingerprintsEqual(hit.fingerprint, fingerprint)) hit = null
+    if (hit?.state === 'in_progress' && !isFingerprint(matchOf(engine, state, hit.fingerprint, fingerprint))) hit = null
     if (hit !== null) {
       held = hit.state === 'completed'
         ? { outcome: 'completed', fingerprint: hit.fingerprint, response: hit.response }
@@ -113,6 +162,13 @@ async function claimLoop (engine: Engine, request: FastifyRequest, reply: Fastif
       held = result
     }
 
+    const adopted = adoptRotated(engine, request, state, held, fingerprint)
+    if (adopted !== null) {
+      // Claimed again at once, with the record's spelling of the fingerprint.
+      fingerprint = adopted
+      claim = { ...claim, fingerprint }
+      continue
+    }
     const answered = answerHeld(engine, request, reply, state, held, fingerprint)
     if (answered !== null) return await answered
     const remaining = deadline - Date.now()
@@ -129,11 +185,30 @@ async function claimLoop (engine: Engine, request: FastifyRequest, reply: Fastif
 function answerHeld (engine: Engine, request: FastifyRequest, reply: FastifyReply, state: RequestState, held: ClaimInProgress | ClaimCompleted, fingerprint: Fingerprint): FastifyReply | Promise<FastifyReply> | null {
   // Draft §2.7: a key reused with a different request is a client error whatever the state of the
   // original, so 422 is checked before 409 (the client must correct the request either way).
-  if (!fingerprintsEqual(held.fingerprint, fingerprint)) {
+  const matched = matchOf(engine, state, held.fingerprint, fingerprint)
+  if (matched === UNVERIFIABLE) {
+    // Never a bypass, whatever onStoreError says: the record exists, so running would run twice.
+    observe(engine.metrics, state, 'store_error', 'error', 'idempotency: the record\'s fingerprint was made under a key id that is not in the encryption keys (removed before its records expired, or encryption turned off); answering 503')
+    return answer(engine, state, reply, { kind: 'store-unavailable', retryAfter: state.settings.retryAfter })
+  }
+  if (matched === null) {
     observe(engine.metrics, state, 'mismatch', 'info', 'idempotency: key reused with a different request')
     return answer(engine, state, reply, { kind: 'key-reused' })
   }
   return held.outcome === 'completed' ? replay(engine, request, reply, state, held.response) : null
+}
+
+/**
+ * Whether `stored` was made for this request (lib/fingerprint-keys.ts): the same fingerprint, the
+ * request's under an older key still in the ring, or its unkeyed one for a record made before
+ * encryption was enabled; null for another request; UNVERIFIABLE for a key no longer in the ring.
+ */
+function matchOf (engine: Engine, state: RequestState, stored: Fingerprint, fingerprint: Fingerprint): ReturnType<typeof matchFingerprint> {
+  return matchFingerprint(engine.fingerprintKeys, fingerprint, state.unkeyedFingerprint ?? fingerprint, stored)
+}
+
+function isFingerprint (matched: ReturnType<typeof matchFingerprint>): matched is Fingerprint {
+  return matched !== null && matched !== UNVERIFIABLE
 }
 
 function refuseInProgress (engine: Engine, reply: FastifyReply, state: RequestState): FastifyReply {
@@ -179,12 +254,12 @@ function claimInTransaction (engine: Engine, claim: ClaimRequest, waitMs: number
   return store.claimInTransaction({ ...claim, waitMs })
 }
 
-/** Synchronous but for a custom function that returns a promise. */
+/** The unkeyed fingerprint; synchronous but for a custom function that returns a promise. */
 function fingerprintOf (request: FastifyRequest, state: RequestState): Fingerprint | Promise<Fingerprint> {
   const mode = state.settings.fingerprint
   switch (mode.mode) {
     case 'canonical':
-      return canonicalFingerprint(request.method, request.url, request.body, request.headers['content-type'])
+      return canonicalFingerprint(request.method, request.url, request.body, request.headers['content-type'], state.settings.bodyLimits)
     case 'raw':
       return finishRawHash(state.rawHash ?? startRawHash(request.method, request.url))
     case 'custom': {

@@ -71,6 +71,13 @@ export const kState = Symbol('fastify-idempotency.state')
 export class RequestState {
   scope = ''
   rawHash: Hash | null = null
+  /**
+   * The request's unkeyed fingerprint (lib/fingerprint-keys.ts): with `encryption` it is never
+   * stored, and is kept here to recompute the request's fingerprint under an older key.
+   */
+  unkeyedFingerprint: Fingerprint | null = null
+  /** The claim took a record's fingerprint made under an older key (at most once per request). */
+  adoptedFingerprint = false
   /** The phase and the lease's renewal: changed only through it (lib/lifecycle.ts). */
   readonly lifecycle: Lifecycle = new Lifecycle(this)
   /** The handler (or a hook after it) threw: the outcome is a failure, never recorded. */

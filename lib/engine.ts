@@ -1,6 +1,7 @@
 import type { FastifyReply } from 'fastify'
 import type { RequestState } from './context.js'
 import { sendProblem, type ProblemAnswer, type ProblemBodies, type ProblemOptions } from './problems.js'
+import type { FingerprintKeys } from './fingerprint-keys.js'
 import type { Metrics } from './observe.js'
 import type { IdempotencyPrefilter } from './prefilter.js'
 import type { IdempotencyStore, SyncOperations } from './store.js'
@@ -17,6 +18,8 @@ export interface Engine {
   readonly problemOptions: ProblemOptions
   /** The `metrics` option's instruments, or null (lib/observe.ts). */
   readonly metrics: Metrics | null
+  /** MAC keys of keyed fingerprints, derived from the `encryption` option (lib/fingerprint-keys.ts), or null. */
+  readonly fingerprintKeys: FingerprintKeys | null
 }
 
 /** Sends a problem answer; the request is then never recorded (it is not the key's outcome). */

@@ -1,6 +1,7 @@
 import { createHash, hash, type Hash } from 'node:crypto'
 import { Transform, type TransformCallback } from 'node:stream'
 import type { FastifyRequest } from 'fastify'
+import { UNLIMITED, writeCanonical, type CanonicalLimits } from './fingerprint-canonical.js'
 import type { Fingerprint } from './store.js'
 
 /**
@@ -31,16 +32,30 @@ export const CANONICAL = 'canonical-v1'
 export const RAW = 'raw-v1'
 export const CUSTOM = 'custom-v1'
 
-export function canonicalFingerprint (method: string, url: string, body: unknown, contentType?: string): Fingerprint {
+/** Bodies up to this size are hashed in one call: below it, a Hash object costs more than the copy. */
+const ONE_SHOT_BYTES = 16 * 1024
+
+/**
+ * canonical-v1 of a request. Throws CanonicalLimitError when the parsed body is nested deeper or
+ * holds more values than `limits` allow (lib/fingerprint-canonical.ts).
+ */
+export function canonicalFingerprint (method: string, url: string, body: unknown, contentType?: string, limits: CanonicalLimits = UNLIMITED): Fingerprint {
   const head = `${method}\n${url}\n`
-  let input: string | Buffer
-  if (body === undefined) input = `${head}none`
-  else if (Buffer.isBuffer(body)) input = Buffer.concat([Buffer.from(`${head}bytes:`), body])
+  let digest: Buffer
+  if (body === undefined) digest = hash('sha256', `${head}none`, 'buffer')
+  else if (Buffer.isBuffer(body)) {
+    digest = body.length <= ONE_SHOT_BYTES
+      ? hash('sha256', Buffer.concat([Buffer.from(`${head}bytes:`), body]), 'buffer')
+      : createHash('sha256').update(`${head}bytes:`).update(body).digest()
   // A string is text unless a JSON parser produced it (a JSON body `"x"`), which must not collide with text `x`.
-  else if (typeof body === 'string' && !isJson(contentType)) input = `${head}text:${body}`
-  else input = `${head}json:${canonicalJson(body)}`
-  // One-shot hashing: this runs on every protected request, and a Hash object costs more than the digest.
-  return { algorithm: CANONICAL, digest: hash('sha256', input, 'buffer') }
+  } else if (typeof body === 'string' && !isJson(contentType)) digest = hash('sha256', `${head}text:${body}`, 'buffer')
+  else {
+    // Hashed while it is written: a small body ends in one one-shot call, a large one in chunks.
+    let running: Hash | null = null
+    const rest = writeCanonical(body, limits, `${head}json:`, (chunk) => { (running ??= createHash('sha256')).update(chunk) })
+    digest = running === null ? hash('sha256', rest, 'buffer') : (running as Hash).update(rest).digest()
+  }
+  return { algorithm: CANONICAL, digest }
 }
 
 function isJson (contentType: string | undefined): boolean {
@@ -59,31 +74,11 @@ export function fingerprintsEqual (a: Fingerprint, b: Fingerprint): boolean {
 }
 
 /** Canonical JSON text of a parsed body (see canonical-v1 above). */
-export function canonicalJson (value: unknown): string {
-  if (value === null || typeof value !== 'object') {
-    // JSON.stringify gives ECMAScript number and string serialisation; undefined, functions and
-    // symbols cannot come out of a body parser, and map to null like JSON array members do.
-    return JSON.stringify(value) ?? 'null'
-  }
-  if (Array.isArray(value)) {
-    let out = '['
-    for (let i = 0; i < value.length; i++) out += (i === 0 ? '' : ',') + canonicalJson(value[i])
-    return out + ']'
-  }
-  if (Buffer.isBuffer(value)) return JSON.stringify(value.toString('base64'))
-  const withToJSON = value as { toJSON?: () => unknown }
-  if (typeof withToJSON.toJSON === 'function') return canonicalJson(withToJSON.toJSON())
-  const record = value as Record<string, unknown>
-  const names = Object.keys(record).sort()
-  let out = '{'
-  let first = true
-  for (const name of names) {
-    const member = record[name]
-    if (member === undefined) continue
-    out += (first ? '' : ',') + JSON.stringify(name) + ':' + canonicalJson(member)
-    first = false
-  }
-  return out + '}'
+export function canonicalJson (value: unknown, limits: CanonicalLimits = UNLIMITED): string {
+  const chunks: string[] = []
+  const rest = writeCanonical(value, limits, '', (chunk) => { chunks.push(chunk) })
+  chunks.push(rest)
+  return chunks.join('')
 }
 
 /** Starts a raw-v1 hash; the body bytes are added by {@link hashingStream}. */

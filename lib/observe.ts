@@ -26,6 +26,8 @@ export type Outcome =
   /** 400: the key is missing (and required) or malformed. */
   | 'key_missing'
   | 'key_invalid'
+  /** 400 / 413: the parsed body is beyond the route's maxBodyDepth or maxBodyNodes (canonical fingerprints). */
+  | 'body_refused'
   /** The owner's response was recorded. */
   | 'recorded'
   /** The owner's failure was definite: the key was released for a retry to run again. */

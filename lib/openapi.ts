@@ -63,7 +63,8 @@ const VALIDATED_PARTS = ['body', 'querystring', 'query', 'params', 'headers'] as
 
 /** The plugin's answers on a protected route (the status route's `key-unknown` is not one). */
 type RouteProblem = Extract<ProblemKind,
-  'key-missing' | 'key-invalid' | 'key-reused' | 'request-in-progress' | 'response-not-retained' | 'store-unavailable' | 'not-committed' | 'outcome-unknown'>
+  'key-missing' | 'key-invalid' | 'key-reused' | 'request-in-progress' | 'response-not-retained' | 'store-unavailable' |
+  'not-committed' | 'outcome-unknown' | 'body-too-deep' | 'body-too-large'>
 
 const WHEN: Readonly<Record<RouteProblem, (settings: RouteSettings) => string>> = {
   'key-missing': () => `The Idempotency-Key header is missing, and this operation requires one (${DRAFT} §2.7).`,
@@ -82,7 +83,11 @@ const WHEN: Readonly<Record<RouteProblem, (settings: RouteSettings) => string>> 
     'and its writes were rolled back. Send the same request again.',
   'outcome-unknown': () => 'The transaction holding the operation and its key was sent to be committed, but whether it ' +
     'committed could not be confirmed. Send the same request again after `Retry-After` seconds: it replays the recorded ' +
-    'response if the operation committed, and runs it if it did not.'
+    'response if the operation committed, and runs it if it did not.',
+  'body-too-deep': (settings) => `The parsed body nests arrays and objects more than ${settings.bodyLimits.maxDepth} levels deep, ` +
+    'beyond what the request fingerprint accepts; nothing was processed or recorded.',
+  'body-too-large': (settings) => `The parsed body holds more than ${settings.bodyLimits.maxNodes} values (strings, numbers, ` +
+    'booleans, nulls, arrays and objects), beyond what the request fingerprint accepts; nothing was processed or recorded.'
 }
 
 function keyParameter (settings: RouteSettings, methods: ReadonlySet<string> | null): Schema {
@@ -190,6 +195,8 @@ function problemsByStatus (engine: Engine, settings: RouteSettings): Map<number,
   const kinds: RouteProblem[] = []
   if (settings.required) kinds.push('key-missing')
   kinds.push('key-invalid', 'key-reused', 'request-in-progress', 'response-not-retained')
+  // Only the canonical fingerprint walks the body (raw hashes bytes, custom is the app's).
+  if (settings.fingerprint.mode === 'canonical') kinds.push('body-too-deep', 'body-too-large')
   // With 'bypass', a store failure runs the handler unprotected instead.
   if (settings.onStoreError === 'fail') kinds.push('store-unavailable')
   if (settings.transaction) kinds.push('not-committed', 'outcome-unknown')

@@ -1,6 +1,7 @@
 import type { FastifyRequest } from 'fastify'
 import { InvalidOptionError } from './errors.js'
 import type { FingerprintFunction, FingerprintOption } from './fingerprint.js'
+import type { CanonicalLimits } from './fingerprint-canonical.js'
 import { DEFAULT_REPLAY_HEADERS, isSensitiveHeader, NEVER_REPLAYED } from './headers.js'
 import type { KeyFormat } from './key.js'
 import { resolveKeyring, type EncryptionOptions, type Keyring } from './keyring.js'
@@ -49,6 +50,19 @@ export interface RouteIdempotencyOptions {
   keyFormat?: KeyFormat
   /** @defaultValue 'canonical' */
   fingerprint?: FingerprintOption
+  /**
+   * Canonical fingerprints only: a parsed body whose arrays and objects are nested deeper than
+   * this is refused with a 400 problem (`body-too-deep`) before the handler runs. @defaultValue 128
+   */
+  maxBodyDepth?: number
+  /**
+   * Canonical fingerprints only: a parsed body holding more values than this (every string,
+   * number, boolean, null, array and object counts one) is refused with a 413 problem
+   * (`body-too-large`) before the handler runs. The default is twice what a 1 MiB JSON text can
+   * hold, so only a parsed form larger than its text (a parser that shares one object between
+   * places, as YAML aliases do) or a `bodyLimit` above 2 MiB reaches it. @defaultValue 1_048_576
+   */
+  maxBodyNodes?: number
   /** Which handler responses are recorded; the others release the key. @defaultValue every status below 500 except 429 */
   record?: RecordRule
   /** Bodies larger than this are not retained; a retry then gets a 410 problem, never a re-execution. @defaultValue 1_048_576 */
@@ -171,6 +185,8 @@ export interface RouteSettings {
   readonly maxKeyLength: number
   readonly keyFormat: KeyFormat
   readonly fingerprint: ResolvedFingerprint
+  /** maxBodyDepth and maxBodyNodes, as the canonical walk takes them. */
+  readonly bodyLimits: CanonicalLimits
   readonly record: RecordRule
   readonly maxResponseBytes: number
   /** What is recorded and replayed: `listedReplayHeaders` and `unsafeReplayHeaders` together. */
@@ -201,7 +217,7 @@ export interface GlobalSettings {
 }
 
 const ROUTE_OPTION_NAMES = [
-  'scope', 'required', 'ttl', 'lease', 'maxOwnership', 'wait', 'maxKeyLength', 'keyFormat', 'fingerprint', 'record',
+  'scope', 'required', 'ttl', 'lease', 'maxOwnership', 'wait', 'maxKeyLength', 'keyFormat', 'fingerprint', 'maxBodyDepth', 'maxBodyNodes', 'record',
   'maxResponseBytes', 'replayHeaders', 'unsafeReplayHeaders', 'onStoreError', 'storeTimeout', 'retryAfter', 'transaction', 'rebuild'
 ] as const
 const GLOBAL_OPTION_NAMES = new Set<string>([...ROUTE_OPTION_NAMES, 'store', 'prefilter', 'methods', 'problemTypeBase', 'docsUrl', 'encryption', 'statusRoute', 'profile', 'openapi', 'metrics', 'onEarlierRoutes', 'allowEmptyScope'])
@@ -212,6 +228,15 @@ const HTTP_METHODS = new Set(['DELETE', 'GET', 'HEAD', 'PATCH', 'POST', 'PUT', '
 const HEADER_NAME = /^[!#$%&'*+.^_`|~0-9a-zA-Z-]+$/
 const ABSOLUTE_URI = /^[a-zA-Z][a-zA-Z0-9+.-]*:\S+$/
 
+/*
+ * The canonical walk's bounds (lib/fingerprint-canonical.ts). 128 levels: twice .NET's
+ * System.Text.Json default (64) and serde_json's recursion limit; request bodies of real APIs
+ * nest a handful of levels, and thousands of levels are only ever an attack (or a bug). 2^20
+ * values: a JSON text of n bytes holds at most n / 2 + 1 values ("[0,0,...]"), so Fastify's
+ * default bodyLimit (1 MiB) never reaches it.
+ */
+const DEFAULT_MAX_BODY_DEPTH = 128
+const DEFAULT_MAX_BODY_NODES = 1_048_576
 
 const DEFAULT_ROUTE: RouteSettings = Object.freeze({
   scope: null,
@@ -223,6 +248,7 @@ const DEFAULT_ROUTE: RouteSettings = Object.freeze({
   maxKeyLength: 255,
   keyFormat: 'lenient',
   fingerprint: Object.freeze({ mode: 'canonical' }),
+  bodyLimits: Object.freeze({ maxDepth: DEFAULT_MAX_BODY_DEPTH, maxNodes: DEFAULT_MAX_BODY_NODES }),
   record: (statusCode: number) => statusCode < 500 && statusCode !== 429,
   maxResponseBytes: 1024 * 1024,
   replayHeaders: new Set(DEFAULT_REPLAY_HEADERS),
@@ -299,6 +325,7 @@ function mergeRouteOptions (base: RouteSettings, options: RouteIdempotencyOption
     maxKeyLength: integerOption(name('maxKeyLength'), options.maxKeyLength, base.maxKeyLength, 1, 8192, 'characters'),
     keyFormat: options.keyFormat === undefined ? base.keyFormat : oneOf(name('keyFormat'), options.keyFormat, ['lenient', 'strict']),
     fingerprint: options.fingerprint === undefined ? base.fingerprint : resolveFingerprint(name('fingerprint'), options.fingerprint),
+    bodyLimits: resolveBodyLimits(base.bodyLimits, options, name),
     record: options.record === undefined ? base.record : fn(name('record'), options.record),
     maxResponseBytes: integerOption(name('maxResponseBytes'), options.maxResponseBytes, base.maxResponseBytes, 0, Number.MAX_SAFE_INTEGER, 'bytes'),
     ...replayHeaderSettings(base, options, name),
@@ -336,6 +363,14 @@ function oneOfValues<T extends boolean | string> (name: string, value: unknown, 
 function oneOf<T extends string> (name: string, value: unknown, allowed: readonly T[]): T {
   if (!allowed.includes(value as T)) throw new InvalidOptionError(name, `one of ${allowed.map((a) => `'${a}'`).join(', ')}`, value)
   return value as T
+}
+
+function resolveBodyLimits (base: CanonicalLimits, options: RouteIdempotencyOptions, name: (option: string) => string): CanonicalLimits {
+  if (options.maxBodyDepth === undefined && options.maxBodyNodes === undefined) return base
+  return Object.freeze({
+    maxDepth: integerOption(name('maxBodyDepth'), options.maxBodyDepth, base.maxDepth, 1, Number.MAX_SAFE_INTEGER, 'levels'),
+    maxNodes: integerOption(name('maxBodyNodes'), options.maxBodyNodes, base.maxNodes, 1, Number.MAX_SAFE_INTEGER, 'values')
+  })
 }
 
 function resolveFingerprint (name: string, value: unknown): ResolvedFingerprint {

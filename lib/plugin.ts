@@ -4,6 +4,7 @@ import { checkEarlierRoutes } from './earlier-routes.js'
 import { sealAtRest } from './encryption.js'
 import type { Engine } from './engine.js'
 import { InvalidOptionError } from './errors.js'
+import { deriveFingerprintKeys } from './fingerprint-keys.js'
 import { createRecordHook, routeHooks, trackHandler } from './hooks.js'
 import { documentRoute } from './openapi.js'
 import { resolveGlobalOptions, resolveRouteConfig, type GlobalSettings, type IdempotencyOptions, type RouteSettings } from './options.js'
@@ -43,7 +44,8 @@ export const idempotencyPlugin: FastifyPluginCallback<IdempotencyOptions> = func
     waiters: new Waiters(),
     problems: buildProblemBodies(problemOptions),
     problemOptions,
-    metrics: global.metrics
+    metrics: global.metrics,
+    fingerprintKeys: global.encryption === null ? null : deriveFingerprintKeys(global.encryption)
   }
 
   warnAboutDeployment(fastify, global.route.scope === null, ownsStore || isMemoryStore(store))

@@ -17,6 +17,8 @@ export type ProblemKind =
   | 'not-committed'
   | 'outcome-unknown'
   | 'key-unknown'
+  | 'body-too-deep'
+  | 'body-too-large'
 
 export const PROBLEMS: Readonly<Record<ProblemKind, ProblemDefinition>> = {
   'key-missing': {
@@ -66,6 +68,20 @@ export const PROBLEMS: Readonly<Record<ProblemKind, ProblemDefinition>> = {
     title: 'Idempotency-Key response was not retained',
     detail: 'The operation for this Idempotency-Key completed, but its response was too large to be recorded, ' +
       'so it cannot be replayed. The operation will not be executed again.'
+  },
+  // Canonical fingerprints walk the parsed body (lib/fingerprint-canonical.ts) under the route's
+  // maxBodyDepth and maxBodyNodes, before anything is claimed: nothing is recorded for the key.
+  // Too deep is a malformed request for this API (400, RFC 9110 §15.5.1); too many values is
+  // content larger than the server is willing to process (413, RFC 9110 §15.5.14).
+  'body-too-deep': {
+    status: 400,
+    title: 'Request body is nested too deeply',
+    detail: 'The request body nests arrays and objects deeper than this operation accepts, so it was not processed.'
+  },
+  'body-too-large': {
+    status: 413,
+    title: 'Request body holds too many values',
+    detail: 'The request body holds more values than this operation accepts, so it was not processed.'
   },
   // The status route's answer for a key the caller has no record of: a key of another scope gets
   // exactly this answer too, so a key's existence never leaks across principals (draft §5).

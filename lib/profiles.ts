@@ -123,6 +123,19 @@ const STRIPE: Readonly<Record<ProblemKind, StripeError>> = {
       'cannot be replayed. The operation will not be executed again.',
     shouldRetry: false
   },
+  // No Stripe counterpart: its request-validation type, with our statuses.
+  'body-too-deep': {
+    status: 400,
+    type: 'invalid_request_error',
+    message: 'The request body nests arrays and objects deeper than this operation accepts, so it was not processed.',
+    shouldRetry: false
+  },
+  'body-too-large': {
+    status: 413,
+    type: 'invalid_request_error',
+    message: 'The request body holds more values than this operation accepts, so it was not processed.',
+    shouldRetry: false
+  },
   // Stripe's answer to an object id it does not know (in the caller's account).
   'key-unknown': {
     status: 404,

@@ -73,8 +73,8 @@ t.test('a protected route documents the Idempotency-Key header and every problem
   t.match(key?.description, /kept 2 hours after/, 'the retention (draft §2.3)')
   t.notMatch(key?.description, /unquoted/, 'strict keys: no bare form advertised')
 
-  t.same(Object.keys(op.responses).sort(), ['2XX', '400', '409', '410', '422', '503'])
-  for (const status of ['400', '409', '410', '422', '503']) {
+  t.same(Object.keys(op.responses).sort(), ['2XX', '400', '409', '410', '413', '422', '503'])
+  for (const status of ['400', '409', '410', '413', '422', '503']) {
     const media = problemMedia(op, status)
     t.same(Object.keys(media.schema.properties as object), status === '410'
       ? ['type', 'title', 'status', 'detail', 'originalStatus']
@@ -86,7 +86,8 @@ t.test('a protected route documents the Idempotency-Key header and every problem
   t.ok(response(op, '409').headers?.['retry-after'], '409 documents Retry-After')
   t.ok(response(op, '503').headers?.['retry-after'], '503 documents Retry-After')
   t.equal(response(op, '422').headers?.['retry-after'], undefined, '422 has no Retry-After')
-  t.same(Object.keys(problemMedia(op, '400').examples ?? {}), ['key-missing', 'key-invalid'])
+  t.same(Object.keys(problemMedia(op, '400').examples ?? {}), ['key-missing', 'key-invalid', 'body-too-deep'])
+  t.same(Object.keys(problemMedia(op, '413').examples ?? {}), ['body-too-large'])
   t.same(response(op, '2XX').headers?.['idempotent-replayed']?.schema, { type: 'string', enum: ['true'] }, 'the replay marker')
 
   // The examples are the answers the plugin sends.
@@ -116,8 +117,8 @@ t.test('what is documented follows the route\'s settings', async (t) => {
   t.equal(keyParameters(optional)[0]?.required, false, 'required: false → an optional parameter')
   t.match(keyParameters(optional)[0]?.description, /Optional: a request without it runs without this protection/)
   t.match(keyParameters(optional)[0]?.description, /an unquoted key .* is also accepted/, 'lenient keys')
-  t.same(Object.keys(problemMedia(optional, '400').examples ?? {}), ['key-invalid'], 'no missing-key answer when the key is optional')
-  t.same(Object.keys(operation(app, '/bypass', 'post').responses).sort(), ['2XX', '400', '409', '410', '422'], 'bypass: no 503')
+  t.same(Object.keys(problemMedia(optional, '400').examples ?? {}), ['key-invalid', 'body-too-deep'], 'no missing-key answer when the key is optional')
+  t.same(Object.keys(operation(app, '/bypass', 'post').responses).sort(), ['2XX', '400', '409', '410', '413', '422'], 'bypass: no 503')
   t.match(response(operation(app, '/atomic', 'post'), '500').description, /could not be committed/, 'atomic mode: the 500 not-committed answer')
   t.equal(keyParameters(operation(app, '/opted-in', 'put'))[0]?.required, true, 'a method opted in per route, with its own settings')
 

@@ -13,7 +13,8 @@ import { buildApp, deferred, keyed, PROBLEM_TYPE } from './helpers/app.js'
 type MemoryKind = Exclude<ProblemKind, 'not-committed' | 'outcome-unknown'>
 
 const KINDS: readonly MemoryKind[] = [
-  'key-missing', 'key-invalid', 'key-reused', 'request-in-progress', 'store-unavailable', 'response-not-retained', 'key-unknown'
+  'key-missing', 'key-invalid', 'key-reused', 'request-in-progress', 'store-unavailable', 'response-not-retained', 'key-unknown',
+  'body-too-deep', 'body-too-large'
 ]
 
 const STATUS: Readonly<Record<MemoryKind, number>> = {
@@ -23,7 +24,9 @@ const STATUS: Readonly<Record<MemoryKind, number>> = {
   'request-in-progress': 409,
   'store-unavailable': 503,
   'response-not-retained': 410,
-  'key-unknown': 404
+  'key-unknown': 404,
+  'body-too-deep': 400,
+  'body-too-large': 413
 }
 
 /** The draft's titles (§2.7), verbatim. */
@@ -78,6 +81,7 @@ async function world (t: Test, plugin: IdempotencyOptions = {}): Promise<World> 
   app.post('/charges', async (_request, reply) => { reply.code(201); return charge() })
   app.post('/required', { config: { idempotency: { required: true } } }, async (_request, reply) => { reply.code(201); return charge() })
   app.post('/big', { config: { idempotency: { maxResponseBytes: 4 } } }, async (_request, reply) => { reply.code(201); return charge() })
+  app.post('/bounded', { config: { idempotency: { maxBodyDepth: 2, maxBodyNodes: 10 } } }, async (_request, reply) => { reply.code(201); return charge() })
   app.post('/slow', async (_request, reply) => {
     const body = charge()
     entered.resolve()
@@ -112,6 +116,9 @@ async function world (t: Test, plugin: IdempotencyOptions = {}): Promise<World> 
 
   const unknown = await app.inject({ method: 'GET', url: `/idempotency-keys/${KEY('unknown')}` })
 
+  const tooDeep = await post('/bounded', keyed(KEY('deep')), { a: { b: { c: 1 } } })
+  const tooLarge = await post('/bounded', keyed(KEY('large')), { items: [1, 2, 3, 4, 5, 6, 7, 8, 9, 10] })
+
   return {
     app,
     store,
@@ -123,7 +130,9 @@ async function world (t: Test, plugin: IdempotencyOptions = {}): Promise<World> 
       'request-in-progress': inProgress,
       'store-unavailable': unavailable,
       'response-not-retained': notRetained,
-      'key-unknown': unknown
+      'key-unknown': unknown,
+      'body-too-deep': tooDeep,
+      'body-too-large': tooLarge
     }
   }
 }

@@ -13,7 +13,7 @@ import { buildApp, deferred, keyed } from './helpers/app.js'
 
 const KINDS: readonly ProblemKind[] = [
   'key-missing', 'key-invalid', 'key-reused', 'request-in-progress', 'store-unavailable',
-  'response-not-retained', 'not-committed', 'outcome-unknown', 'key-unknown'
+  'response-not-retained', 'not-committed', 'outcome-unknown', 'key-unknown', 'body-too-deep', 'body-too-large'
 ]
 
 /**
@@ -51,6 +51,7 @@ async function everyKind (t: Test, options: IdempotencyOptions): Promise<Record<
   app.post('/required', { config: { idempotency: { required: true } } }, async () => ({ id: 'ch_1' }))
   app.post('/big', { config: { idempotency: { maxResponseBytes: 4 } } }, async (_request, reply) => reply.code(201).send({ id: 'ch_1' }))
   app.post('/atomic', { config: { idempotency: { transaction: true } } }, async (_request, reply) => reply.code(201).send({ id: 'ch_1' }))
+  app.post('/bounded', { config: { idempotency: { maxBodyDepth: 2, maxBodyNodes: 10 } } }, async (_request, reply) => reply.code(201).send({ id: 'ch_1' }))
   app.post('/slow', async () => {
     entered.resolve()
     await release.promise
@@ -74,6 +75,8 @@ async function everyKind (t: Test, options: IdempotencyOptions): Promise<Record<
   const notCommitted = await post('/atomic', keyed('commit-1'))
   const outcomeUnknown = await post('/atomic', keyed('unknown-1'))
   const unknown = await app.inject({ method: 'GET', url: '/idempotency-keys/never-used' })
+  const tooDeep = await app.inject({ method: 'POST', url: '/bounded', headers: keyed('deep'), payload: { a: { b: { c: 1 } } } })
+  const tooLarge = await app.inject({ method: 'POST', url: '/bounded', headers: keyed('large'), payload: { items: [1, 2, 3, 4, 5, 6, 7, 8, 9, 10] } })
   return {
     'key-missing': missing,
     'key-invalid': invalid,
@@ -83,7 +86,9 @@ async function everyKind (t: Test, options: IdempotencyOptions): Promise<Record<
     'response-not-retained': notRetained,
     'not-committed': notCommitted,
     'outcome-unknown': outcomeUnknown,
-    'key-unknown': unknown
+    'key-unknown': unknown,
+    'body-too-deep': tooDeep,
+    'body-too-large': tooLarge
   }
 }
 
@@ -153,6 +158,19 @@ const IETF: Readonly<Record<ProblemKind, Expected>> = {
     status: 404,
     body: '{"type":"tag:fastify-idempotency,2026:key-unknown","title":"Idempotency-Key is unknown","status":404,' +
       '"detail":"No request with this Idempotency-Key is recorded for you: it was never used, or its record expired."}'
+  },
+  // New with the bounded canonical walk (issue 16, finding 5).
+  'body-too-deep': {
+    status: 400,
+    body: '{"type":"tag:fastify-idempotency,2026:body-too-deep","title":"Request body is nested too deeply","status":400,' +
+      '"detail":"The request body nests arrays and objects deeper than this operation accepts, so it was not processed.",' +
+      '"maxBodyDepth":2}'
+  },
+  'body-too-large': {
+    status: 413,
+    body: '{"type":"tag:fastify-idempotency,2026:body-too-large","title":"Request body holds too many values","status":413,' +
+      '"detail":"The request body holds more values than this operation accepts, so it was not processed.",' +
+      '"maxBodyNodes":10}'
   }
 }
 
@@ -209,6 +227,18 @@ const STRIPE: Readonly<Record<ProblemKind, Expected>> = {
     status: 404,
     shouldRetry: 'false',
     body: '{"error":{"code":"resource_missing","message":"No such idempotency key.","type":"invalid_request_error"}}'
+  },
+  'body-too-deep': {
+    status: 400,
+    shouldRetry: 'false',
+    body: '{"error":{"message":"The request body nests arrays and objects deeper than this operation accepts, so it was not ' +
+      'processed.","max_body_depth":2,"type":"invalid_request_error"}}'
+  },
+  'body-too-large': {
+    status: 413,
+    shouldRetry: 'false',
+    body: '{"error":{"message":"The request body holds more values than this operation accepts, so it was not processed.",' +
+      '"max_body_nodes":10,"type":"invalid_request_error"}}'
   }
 }
 
