@@ -144,3 +144,31 @@ t.test('the README is a front page: under 40 KB, a table of contents, the instal
     t.type(pkg.scripts[script], 'string', `npm run ${script} exists`)
   }
 })
+
+t.test("the README's security section cites tests that exist: each `file` is a test file and each quoted title is in it", async (t) => {
+  const readme = readFileSync(path.join(ROOT, 'README.md'), 'utf8')
+  const start = readme.indexOf('\n## Security\n')
+  t.ok(start !== -1, 'there is a Security section')
+  const section = readme.slice(start + 1, readme.indexOf('\n## ', start + 1))
+  let cited = 0
+  // A citation is a parenthesis naming test files, each optionally followed by `: "title"` or `: "title", "title"`.
+  for (const [, inside] of section.matchAll(/\(([^()]*`[a-z0-9/-]+`[^()]*)\)/g)) {
+    for (const part of (inside ?? '').split(';')) {
+      const file = /`([a-z0-9-]+(?:\/[a-z0-9-]+)*)`/.exec(part)?.[1]
+      if (file === undefined || file.startsWith('@fastify/')) continue
+      const source = path.join(ROOT, 'test', `${file}.test.ts`)
+      if (!existsSync(source)) {
+        // A backticked option or header name next to a citation is not a citation.
+        if (/^[a-z]+(-[a-z]+)+$/.test(file) && !/"/.test(part)) continue
+        t.fail(`test/${file}.test.ts does not exist (cited in: ${part.trim()})`)
+        continue
+      }
+      cited++
+      const text = readFileSync(source, 'utf8').replace(/\s+/g, ' ')
+      for (const [, title] of part.matchAll(/"([^"]+)"/g)) {
+        t.ok(text.includes(title ?? ''), `test/${file}.test.ts has a test titled with "${title}"`)
+      }
+    }
+  }
+  t.ok(cited >= 15, `${cited} citations of test files`)
+})
