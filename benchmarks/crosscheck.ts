@@ -1,6 +1,6 @@
 /**
  * The second, independent harness (issue 14): `npm run bench:crosscheck [-- --quick] [--rounds n]
- * [--duration s] [--only fresh,replay,storm] [--against results.json] [--out file]`.
+ * [--duration s] [--only fresh,replay,storm] [--threads n] [--against results.json] [--out file]`.
  *
  * Reproduces run.ts's ratios (benchmarks/ratios.ts) with another load generator and other driving
  * code: wrk (C, epoll, 2 threads; benchmarks/crosscheck.lua makes each request's key), against the
@@ -44,6 +44,7 @@ const { values: args } = parseArgs({
     duration: { type: 'string' },
     against: { type: 'string' },
     only: { type: 'string' },
+    threads: { type: 'string' },
     out: { type: 'string' }
   }
 })
@@ -52,7 +53,8 @@ const ROUNDS = QUICK ? 1 : Number(args.rounds ?? 3)
 /** wrk takes whole seconds. */
 const SECONDS = Number(args.duration ?? (QUICK ? 1 : 4))
 const WARMUP_SECONDS = QUICK ? 0 : 1
-const THREADS = 2
+const THREADS = Number(args.threads ?? 2)
+if (!Number.isInteger(THREADS) || THREADS < 1) throw new Error(`--threads must be a whole number >= 1, received ${args.threads}`)
 const CONNECTIONS = 10
 const STORM = { connections: 200, keys: 20 }
 const REPLAY_KEYS = 100
