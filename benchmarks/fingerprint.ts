@@ -7,15 +7,16 @@
  * four ways, all in this process:
  * - `parse`: JSON.parse of the body's text, the baseline;
  * - `recursive`: canonical-v1 as f203b40 computed it (recursive, the whole text built, then one
- *   SHA-256), copied below, so the figure before the change is measured beside the one after;
+ *   SHA-256), kept in benchmarks/canonical-reference.ts, so the figure before the change is measured beside the one after;
  * - `canonical`: canonical-v1 now (lib/fingerprint.ts: the iterative walk, hashed in chunks);
  * - `keyed`: canonical plus the HMAC of keyed fingerprints (the `encryption` option).
  * Every run first checks that `recursive` and `canonical` give the same digest.
  */
-import { hash, randomBytes } from 'node:crypto'
+import { randomBytes } from 'node:crypto'
 import { mkdirSync, writeFileSync } from 'node:fs'
 import { dirname } from 'node:path'
 import { canonicalFingerprint } from '../lib/fingerprint.js'
+import { referenceDigest } from './canonical-reference.js'
 import { deriveFingerprintKeys, keyedFingerprint } from '../lib/fingerprint-keys.js'
 import { resolveKeyring } from '../lib/keyring.js'
 
@@ -25,36 +26,6 @@ const out = outIndex > 0 ? process.argv[outIndex + 1] as string : new URL('./res
 const ROUNDS = quick ? 1 : 9
 /** Each measurement runs a method for at least this long. */
 const SAMPLE_MS = quick ? 10 : 150
-
-// ---------------------------------------------------------------------------------------------
-// canonical-v1 before this change (lib/fingerprint.ts at f203b40), verbatim but for the names.
-
-function recursiveJson (value: unknown): string {
-  if (value === null || typeof value !== 'object') return JSON.stringify(value) ?? 'null'
-  if (Array.isArray(value)) {
-    let out = '['
-    for (let i = 0; i < value.length; i++) out += (i === 0 ? '' : ',') + recursiveJson(value[i])
-    return out + ']'
-  }
-  if (Buffer.isBuffer(value)) return JSON.stringify(value.toString('base64'))
-  const withToJSON = value as { toJSON?: () => unknown }
-  if (typeof withToJSON.toJSON === 'function') return recursiveJson(withToJSON.toJSON())
-  const record = value as Record<string, unknown>
-  const names = Object.keys(record).sort()
-  let out = '{'
-  let first = true
-  for (const name of names) {
-    const member = record[name]
-    if (member === undefined) continue
-    out += (first ? '' : ',') + JSON.stringify(name) + ':' + recursiveJson(member)
-    first = false
-  }
-  return out + '}'
-}
-
-function recursiveFingerprint (method: string, url: string, body: unknown): Buffer {
-  return hash('sha256', `${method}\n${url}\njson:${recursiveJson(body)}`, 'buffer')
-}
 
 // ---------------------------------------------------------------------------------------------
 // Bodies: what an API receives, from a small payment to the sizes of the finding.
@@ -135,12 +106,12 @@ interface BodyResult {
 const results: BodyResult[] = []
 for (const { name, text } of BODIES) {
   const body: unknown = JSON.parse(text)
-  if (!recursiveFingerprint('POST', '/pay', body).equals(canonicalFingerprint('POST', '/pay', body, 'application/json').digest)) {
+  if (!referenceDigest('POST', '/pay', body).equals(canonicalFingerprint('POST', '/pay', body, 'application/json').digest)) {
     throw new Error(`${name}: the walk and the recursive implementation disagree`)
   }
   const run: Record<Method, () => unknown> = {
     parse: () => JSON.parse(text),
-    recursive: () => recursiveFingerprint('POST', '/pay', body),
+    recursive: () => referenceDigest('POST', '/pay', body),
     canonical: () => canonicalFingerprint('POST', '/pay', body, 'application/json'),
     keyed: () => keyedFingerprint(keys, canonicalFingerprint('POST', '/pay', body, 'application/json'))
   }

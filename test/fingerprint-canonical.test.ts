@@ -1,48 +1,15 @@
-import { hash } from 'node:crypto'
 import fc from 'fast-check'
 import t, { type Test } from 'tap'
 import { CANONICAL, canonicalFingerprint, canonicalJson } from '../lib/fingerprint.js'
+import { referenceDigest, referenceJson } from '../benchmarks/canonical-reference.js'
 
 /*
  * Issue 16, finding 6: the canonical walk is iterative and hashes as it writes, and canonical-v1's
  * bytes must not change, or every stored record would stop matching its retries (422). The
- * reference below is the recursive implementation records were made with (lib/fingerprint.ts at
- * f203b40), copied verbatim: the new walk must give the same text and the same digest for every
- * input, generated or picked by hand.
+ * reference (benchmarks/canonical-reference.ts) is the recursive implementation records were made
+ * with (lib/fingerprint.ts at f203b40), copied verbatim: the new walk must give the same text and
+ * the same digest for every input, generated or picked by hand.
  */
-
-function referenceJson (value: unknown): string {
-  if (value === null || typeof value !== 'object') {
-    return JSON.stringify(value) ?? 'null'
-  }
-  if (Array.isArray(value)) {
-    let out = '['
-    for (let i = 0; i < value.length; i++) out += (i === 0 ? '' : ',') + referenceJson(value[i])
-    return out + ']'
-  }
-  if (Buffer.isBuffer(value)) return JSON.stringify(value.toString('base64'))
-  const withToJSON = value as { toJSON?: () => unknown }
-  if (typeof withToJSON.toJSON === 'function') return referenceJson(withToJSON.toJSON())
-  const record = value as Record<string, unknown>
-  const names = Object.keys(record).sort()
-  let out = '{'
-  let first = true
-  for (const name of names) {
-    const member = record[name]
-    if (member === undefined) continue
-    out += (first ? '' : ',') + JSON.stringify(name) + ':' + referenceJson(member)
-    first = false
-  }
-  return out + '}'
-}
-
-/** The reference's canonicalFingerprint for a JSON request (content type application/json). */
-function referenceDigest (method: string, url: string, body: unknown): Buffer {
-  const head = `${method}\n${url}\n`
-  if (body === undefined) return hash('sha256', `${head}none`, 'buffer')
-  if (Buffer.isBuffer(body)) return hash('sha256', Buffer.concat([Buffer.from(`${head}bytes:`), body]), 'buffer')
-  return hash('sha256', `${head}json:${referenceJson(body)}`, 'buffer')
-}
 
 function same (t: Test, value: unknown, name: string): void {
   const expected = referenceJson(value)
