@@ -67,7 +67,8 @@ export const UNVERIFIABLE = Symbol('fastify-idempotency.unverifiable-fingerprint
  * for, or null when it is another request (422, never a second execution):
  * - the same algorithm: `own`, when the digests are equal;
  * - with `encryption`, a record made before it was enabled (the unkeyed algorithm): `unkeyed`, when
- *   its digest is equal, as unsealed responses of that time are still replayed (lib/encryption.ts);
+ *   its digest is equal (its response, stored in clear, is still refused unless
+ *   `encryption.acceptUnsealed`: lib/encryption.ts; an in-progress one is taken over as usual);
  * - a record keyed under an older key still in the ring (a rotation): the request's MAC under it,
  *   when equal.
  * A keyed record whose key is not in the ring (removed too early, or encryption turned off) is
