@@ -12,6 +12,7 @@ import type { ClaimResult, Fingerprint, IdempotencyStore, StoredResponse } from 
 import { migrate, postgresStore, type PostgresClient, type PostgresStore, type PostgresStoreOptions } from '../../drivers/postgres/index.js'
 import { runConformance } from '../../conformance/index.js'
 import { spawnFixture, type ChildApp } from '../helpers/child-app.js'
+import { lockWaitProbe } from '../helpers/lock-waits.js'
 
 /**
  * The Postgres driver against a real server (DATABASE_URL; `node scripts/test.mjs` provisions a
@@ -71,8 +72,12 @@ function suite (url: string): void {
   }
 
   const sql = client('idem-test')
+  // Whether a client's statement is blocked on a lock, on plain PostgreSQL or on Citus (where the
+  // wait is on a worker): test/helpers/lock-waits.ts.
+  let waitingOnLock: (applicationName: string) => Promise<boolean> = async () => { throw new Error('t.before has not run') }
 
   t.before(async () => {
+    waitingOnLock = await lockWaitProbe(sql)
     await sql`CREATE SCHEMA ${sql(schema)}`
     await sql`CREATE TABLE ${sql(schema)}.executions (key text NOT NULL, pid integer NOT NULL, at timestamptz NOT NULL DEFAULT clock_timestamp())`
   })
@@ -404,8 +409,7 @@ function suite (url: string): void {
       const killed = await sql`SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE application_name = ${victimName}`
       return killed.length
     }
-    const blocked = async (): Promise<boolean> => (await sql`
-      SELECT 1 FROM pg_stat_activity WHERE application_name = ${victimName} AND wait_event_type = 'Lock'`).length > 0
+    const blocked = (): Promise<boolean> => waitingOnLock(victimName)
 
     t.test('while the handler runs', async (t) => {
       const { app: instance, executions } = await app(t, store, { lease: 2000 }, async () => { t.ok(await terminate() > 0, 'terminated') })
@@ -550,8 +554,7 @@ function suite (url: string): void {
     await admin`BEGIN`
     await admin`UPDATE ${sql(schema)}.purge_race SET expires_at = now() + interval '1 minute' WHERE scope = 's' AND key = 'r'`
     const purging = store.purgeExpired()
-    await until(t, 'the purge to block on the row', async () => (await sql`
-      SELECT 1 FROM pg_stat_activity WHERE application_name = ${`idem-test-${id}`} AND wait_event_type = 'Lock'`).length > 0)
+    await until(t, 'the purge to block on the row', () => waitingOnLock(`idem-test-${id}`))
     await admin`COMMIT`
     admin.release()
     t.equal(await purging, 0, 'the reclaimed record is not purged')
