@@ -59,8 +59,10 @@ function suite (url: string): void {
       FROM pg_stat_activity a`
   })
 
-  t.test('plain PostgreSQL: the source is pg_stat_activity', async (t) => {
-    t.same(await activitySource(sql), { kind: 'postgres' }, 'no citus extension here')
+  t.test('the source follows the citus extension: citus_stat_activity with it, pg_stat_activity without', async (t) => {
+    const citus = (await sql`SELECT 1 FROM pg_extension WHERE extname = 'citus'`).length > 0
+    t.same(await activitySource(sql), citus ? { kind: 'citus', schema: 'pg_catalog', view: 'citus_stat_activity' } : { kind: 'postgres' },
+      citus ? 'citus is installed' : 'no citus extension here')
   })
 
   /**
