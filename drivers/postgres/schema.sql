@@ -1,9 +1,22 @@
--- fastify-idempotency: the Postgres driver's table, with the default names, for migration tools.
--- The same DDL as `migrate(sql)` (drivers/postgres/schema.ts); a test checks that both produce the
--- same table. Idempotent: safe to apply twice. Unqualified names: it creates the table in the first
--- schema of the search_path (public by default); for another schema, run
--- `SET search_path TO <schema>` first and pass `{ schema: '<schema>' }` to postgresStore().
--- On Citus, distribute by scope afterwards: SELECT create_distributed_table('idempotency_records', 'scope');
+-- fastify-idempotency: the Postgres driver's tables, with the default names, for migration tools.
+-- The same DDL as `migrate(sql)` (drivers/postgres/schema.ts), and a test checks that both produce
+-- the same tables. Idempotent: safe to apply twice, and to apply again after an upgrade (it adds
+-- what a newer version needs). Unqualified names: it creates the tables in the first schema of the
+-- search_path (public by default). For another schema, run `SET search_path TO <schema>` first
+-- and pass `{ schema: '<schema>' }` to postgresStore().
+--
+-- Apply it statement by statement. `psql -v ON_ERROR_STOP=1 -f schema.sql` does: psql sends each
+-- statement by itself. So does any tool that splits the file at every semicolon: a semicolon ends
+-- each statement and appears nowhere else in this file, comments included, and a test applies the
+-- file split exactly that way. A tool that sends the whole file as ONE query works on plain
+-- PostgreSQL but not on Citus once the tables are distributed: Citus propagates the ALTER TABLE
+-- and a new CREATE INDEX to the workers, and a worker refuses them when they came in a text of
+-- several commands ("cannot insert multiple commands into a prepared statement"). migrate() sends
+-- one statement at a time and works on distributed tables too.
+--
+-- On Citus, distribute the tables by scope after the first application (not again on upgrades):
+--   SELECT create_distributed_table('idempotency_records', 'scope')
+--   SELECT create_distributed_table('idempotency_records_outbox', 'scope', colocate_with => 'idempotency_records')
 
 CREATE TABLE IF NOT EXISTS idempotency_records (
   scope                 text COLLATE "C" NOT NULL,
@@ -33,7 +46,7 @@ CREATE INDEX IF NOT EXISTS idempotency_records_expires_at_idx ON idempotency_rec
 CREATE INDEX IF NOT EXISTS idempotency_records_in_progress_idx
   ON idempotency_records (lease_expires_at) WHERE state = 'in_progress';
 
--- The transactional outbox. On Citus: SELECT create_distributed_table('idempotency_records_outbox', 'scope', colocate_with => 'idempotency_records');
+-- The transactional outbox, keyed like the records (scope first, for co-location on Citus).
 CREATE TABLE IF NOT EXISTS idempotency_records_outbox (
   scope           text COLLATE "C" NOT NULL,
   key             text COLLATE "C" NOT NULL,

@@ -7,7 +7,13 @@ import { resolveClient, resolveNames, type PostgresClient, type TableOptions } f
  * `CREATE TABLE IF NOT EXISTS` can still both try to create the table and one fails.
  *
  * The same DDL, with the default names, ships as plain SQL in `drivers/postgres/schema.sql` for
- * migration tools; a test checks that both produce the same table.
+ * migration tools; a test checks that both produce the same tables.
+ *
+ * Each statement goes in a query text of its own, never several in one: on Citus, DDL on a
+ * distributed table (the ALTER TABLE, a new CREATE INDEX) is propagated to the workers, and a
+ * worker refuses it when it came in a text of several commands ("cannot insert multiple commands
+ * into a prepared statement"; issue 15). This is why migrate() works on distributed tables, and
+ * why schema.sql must be applied statement by statement (its header says how).
  *
  * @example
  * import postgres from 'postgres'
