@@ -299,7 +299,7 @@ export function checkExecutions (history: History, executions: readonly Executio
       }
       for (let j = 0; j < i; j++) {
         const a = list[j] as Execution
-        const ownedUntil = a.endedBy === 'died' ? a.end : a.settle?.t ?? a.end
+        const ownedUntil = a.endedBy === 'died' ? a.end : a.settle?.t ?? releaseAttempt(a)?.t ?? a.end
         if (bClaimEnd < ownedUntil - SLACK_MS) {
           // B became owner while A still ran and had not given the key up.
           judged = true
@@ -415,6 +415,21 @@ export function checkExecutions (history: History, executions: readonly Executio
 
 /** Idle time an owner may have between two renewals: the plugin renews every third of the lease, plus timer lateness. */
 const IDLE_SLACK_MS = 150
+
+/**
+ * A release the owner sent that threw (a timeout, an outage: `ok` null): it gave the key up at that
+ * moment, as a release that succeeded does. The plugin releases only after its handler (and any
+ * stream) ended with a definite failure, so from then on it runs nothing for the key; whether the
+ * release reached the database only decides when another attempt may claim (at once, or once the
+ * lease lapsed), and the late statement is fenced by the owner's token. Without this, a release
+ * stuck in a pool's reconnect backoff (seen once postgres.js processes stopped dying on dropped
+ * connections) counted as the owner still running until the statement returned, long after.
+ */
+function releaseAttempt (execution: Execution): StoreCallLine | undefined {
+  if (execution.handlerEnd === null || (execution.stream !== null && execution.stream.end === null)) return undefined
+  const release = execution.calls.find((call) => call.ev === 'release')
+  return release !== undefined && release.t >= execution.handlerEnd ? release : undefined
+}
 
 /**
  * Whether an owner whose lease lapsed between `from` (its last successful renewal's start) and `to`
