@@ -85,6 +85,29 @@ function suite (url: string): void {
       }
       return reply.code(201).send({})
     })
+    // Lease mode, a step in its own transaction (drivers/postgres/recovery.ts): the same defect.
+    type TransactionalStep = (name: string, fn: (tx: TransactionSql<any>) => Promise<unknown>, options: { transaction: true }) => Promise<unknown>
+    // A short lease: the release of a failed attempt can itself fail here, when it is the first
+    // statement of a pool connection that reconnected after dying mid-query (postgres.js 3.4.9
+    // keeps that session's FATAL 57P01 and fails the next session's first query with it); the key
+    // then frees itself when its lease expires, as documented, and the retry takes it over.
+    app.post('/step', { config: { idempotency: { transaction: false, lease: 300 } } }, async (request, reply) => {
+      const step = request.idempotency?.step as unknown as TransactionalStep
+      const key = request.idempotency?.key as string
+      const current = scenario
+      await step.call(request.idempotency, 'charge', async (tx) => {
+        const [row] = await tx<Array<{ pid: number }>>`INSERT INTO ${tx(schema)}.payments (key) VALUES (${key}) RETURNING pg_backend_pid() AS pid`
+        if (current === null) return null
+        await new Promise<void>((resolve) => { resume = resolve; held?.(row?.pid ?? 0) })
+        try {
+          return await current.continuation(tx)
+        } catch (err) {
+          failures.push(err)
+          throw err
+        }
+      }, { transaction: true })
+      return reply.code(201).send({ key })
+    })
     await app.ready()
   })
   t.teardown(async () => {
@@ -181,5 +204,37 @@ function suite (url: string): void {
     t.match(String(failures[1]), /connection of this request's transaction closed/, 'refused by the driver, not sent')
     t.equal(await rowsOf('sleeping'), 0, 'nothing committed')
     await stillServing(t, 'sleeping-after')
+  })
+
+  t.test('lease mode, a step in a transaction: its next query after the drop is refused, nothing is sent, and the retry runs the step afresh', async (t) => {
+    scenario = { continuation: async (tx) => await tx`SELECT 1`, inSavepoint: false }
+    failures.length = 0
+    const pid = new Promise<number>((resolve) => { held = resolve })
+    const answer = app.inject({ method: 'POST', url: '/step', headers: { 'idempotency-key': '"step"' } })
+    const backend = await pid
+    const [terminated] = await admin`SELECT pg_terminate_backend(${backend}) AS done`
+    t.equal(terminated?.done, true, 'the backend of the step\'s transaction was terminated')
+    for (let i = 0; i < 200; i++) {
+      if ((await admin`SELECT 1 FROM pg_stat_activity WHERE pid = ${backend}`).length === 0) break
+      await sleep(10)
+    }
+    // The backend is gone; a moment more for its close to reach the client.
+    await sleep(100)
+    resume?.()
+    const response = await answer
+    t.equal(response.statusCode, 500, 'the step failed: the handler\'s error')
+    // The step's call already failed with the connection (sql.begin settled), so the handle counts
+    // its transaction as ended, and says so; either way the query was not sent.
+    t.match(String(failures[0]), /transaction has ended|transaction closed/, 'the step\'s query was refused by the driver, not sent')
+    t.equal(await rowsOf('step'), 0, 'the step\'s write was rolled back with its connection')
+    scenario = null
+    // A client's retry: 409 until the failed attempt's release (or lease expiry, above) frees the key.
+    let retry = await app.inject({ method: 'POST', url: '/step', headers: { 'idempotency-key': '"step"' } })
+    for (let i = 0; i < 100 && retry.statusCode === 409; i++) {
+      await sleep(20)
+      retry = await app.inject({ method: 'POST', url: '/step', headers: { 'idempotency-key': '"step"' } })
+    }
+    t.equal(retry.statusCode, 201, 'the process is alive; the retry runs the step afresh')
+    t.equal(await rowsOf('step'), 1, 'one execution')
   })
 }
