@@ -68,12 +68,14 @@ export function isConnectionError (err: unknown): boolean {
 
 /**
  * `sql.begin(body)`, but nothing is sent on the connection once it is lost: when `body` fails
- * after that (or with a connection error), the callback stays pending instead of letting
- * postgres.js send ROLLBACK. The connection is lost when a statement of the transaction fails
- * with a connection error (`body` and the guard report those through `connection.lose`), or when
- * `sql.begin` settles while `body` is still running: it races the callback against the
- * connection's close (postgres.js src/index.js, `begin`), so only a closed connection does that.
- * The returned promise is `sql.begin`'s: it rejects with the connection error.
+ * after that, the callback stays pending instead of letting postgres.js send ROLLBACK (and a
+ * `body` that finds the connection lost before it returns throws, so no COMMIT is sent either).
+ * The connection is lost when `sql.begin` settles while `body` is still running (it races the
+ * callback against the connection's close, postgres.js src/index.js `begin`, so only a closed
+ * connection does that), or when a statement of the transaction failed with a connection error
+ * (reported through {@link watched} and the guard). Not when `body` fails with a connection error
+ * of its own: a step's `fetch` that got ECONNRESET says nothing of this connection, and taking it
+ * for lost would leave a live transaction open forever. The returned promise is `sql.begin`'s.
  */
 export function beginOnLiveConnection<T> (
   sql: PostgresClient,
@@ -85,7 +87,6 @@ export function beginOnLiveConnection<T> (
     try {
       return await body(tx, connection)
     } catch (err) {
-      if (isConnectionError(err) || isConnectionError((err as { cause?: unknown } | null)?.cause)) connection.lose(err)
       if (connection.lost !== null) return await new Promise<never>(() => {})
       throw err
     } finally {
@@ -95,4 +96,18 @@ export function beginOnLiveConnection<T> (
   // Registered before anyone else's reaction to `finished`, so the state is set when they run.
   finished.catch((err: unknown) => { if (running) connection.lose(err) })
   return finished
+}
+
+/**
+ * Awaits a statement of the transaction, noting a connection error before the caller sees it: the
+ * caller's next step (a further statement, or throwing, which makes postgres.js send ROLLBACK)
+ * then finds the connection lost.
+ */
+export async function watched<T> (connection: ConnectionState, statement: Promise<T>): Promise<T> {
+  try {
+    return await statement
+  } catch (err) {
+    if (isConnectionError(err)) connection.lose(err)
+    throw err
+  }
 }

@@ -4,7 +4,7 @@ import type { ReconcileSource } from '../../lib/reconcile.js'
 import type { Lease, RecordId, StepResults, StoredResponse } from '../../lib/store.js'
 import type { PostgresClient, ResolvedNames } from './options.js'
 import { identifier, type Value } from './statements.js'
-import { beginOnLiveConnection } from './dropped-connection.js'
+import { beginOnLiveConnection, watched } from './dropped-connection.js'
 import { guardTransaction } from './transaction.js'
 
 /*
@@ -122,7 +122,7 @@ export function createRecovery (sql: PostgresClient, names: ResolvedNames): Reco
           if (connection.lost !== null) throw connection.lost
           // In the step's transaction: the record is written (and the row locked) only if this
           // lease still owns it, and commits with everything `fn` wrote, or neither does.
-          const saved = await tx.unsafe(saveStepText, [...fenced(lease), name, stepEntry(name, json)], { prepare: true })
+          const saved = await watched(connection, tx.unsafe(saveStepText, [...fenced(lease), name, stepEntry(name, json)], { prepare: true }))
           if (saved.count !== 1) throw LOST
           return json
         }) as string

@@ -4,7 +4,7 @@ import type { TransactionSql } from 'postgres'
 import { RolledBackError } from '../../lib/errors.js'
 import { fingerprintsEqual } from '../../lib/fingerprint.js'
 import type { ClaimRequest, ClaimResult, Lease, StoredResponse } from '../../lib/store.js'
-import { beginOnLiveConnection, isConnectionError, type ConnectionState } from './dropped-connection.js'
+import { beginOnLiveConnection, isConnectionError, watched, type ConnectionState } from './dropped-connection.js'
 import type { PostgresClient, ResolvedNames } from './options.js'
 import { createStatements, type Statements } from './statements.js'
 
@@ -79,7 +79,7 @@ export function createTransactions (sql: PostgresClient, names: ResolvedNames): 
         if (decision === null || connection.lost !== null) throw ROLLBACK
         let recorded: boolean
         try {
-          recorded = await statements.complete({ scope: request.scope, key: request.key, token }, decision.response, decision.ttlMs)
+          recorded = await watched(connection, statements.complete({ scope: request.scope, key: request.key, token }, decision.response, decision.ttlMs))
         } catch (err) {
           throw new RolledBackError('the transaction could not record its response, so it was rolled back', { cause: err })
         }
@@ -172,22 +172,22 @@ async function claimWithin (
     // postgres.js sends a query when it is first awaited: execute() puts this one on the wire
     // before the claim (whose async function sends its statement as soon as it is called).
     const setTimeoutQuery = tx.unsafe(setLockTimeout).execute()
-    const [, result] = await Promise.all([
+    const [, result] = await watched(connection, Promise.all([
       setTimeoutQuery,
       statements.claim(args),
       tx`set local lock_timeout to default`
-    ])
+    ]))
     if (result === null) continue
     if (result.acquired) return { outcome: 'acquired', lease, takeover: false }
     const record = result.record
     if (record.expired) {
       live()
-      if (await statements.reclaim(args, record.token)) return { outcome: 'acquired', lease, takeover: false }
+      if (await watched(connection, statements.reclaim(args, record.token))) return { outcome: 'acquired', lease, takeover: false }
       continue
     }
     if (record.state === 'in_progress' && record.lapsed && fingerprintsEqual(record.fingerprint, request.fingerprint)) {
       live()
-      if (await statements.takeover(args, record.token)) return { outcome: 'acquired', lease, takeover: true }
+      if (await watched(connection, statements.takeover(args, record.token))) return { outcome: 'acquired', lease, takeover: true }
       continue
     }
     return record.state === 'completed' && record.response !== null
@@ -307,7 +307,8 @@ function savepoint (target: TransactionSql<any>, method: (...a: unknown[]) => un
         const result = (arg as (sql: TransactionSql<any>) => unknown)(guardHandle(handle, transaction))
         return await (Array.isArray(result) ? Promise.all(result) : result)
       } catch (err) {
-        if (isConnectionError(err)) transaction.connection.lose(err)
+        // Lost: noted by the guard when one of the savepoint's queries failed with it (an error of
+        // `fn`'s own, such as a fetch's ECONNRESET, says nothing of this connection).
         if (transaction.connection.lost === null) throw err
         reject(err)
         return await new Promise<never>(() => {})

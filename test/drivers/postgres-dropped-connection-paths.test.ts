@@ -22,6 +22,8 @@ if (DATABASE_URL === undefined || DATABASE_URL === '') {
 }
 
 const TYPE_BASE = 'tag:fastify-idempotency,2026:'
+/** An error of another connection (a fetch's ECONNRESET): it says nothing of the transaction's. */
+const foreign = (): Error => Object.assign(new Error('read ECONNRESET (another service)'), { code: 'ECONNRESET', syscall: 'read' })
 const sleep = (ms: number): Promise<void> => new Promise((resolve) => setTimeout(resolve, ms))
 
 /** What a handler does once its connection is gone: given the handle (or a savepoint's) it wrote through. */
@@ -107,6 +109,17 @@ function suite (url: string): void {
         }
       }, { transaction: true })
       return reply.code(201).send({ key })
+    })
+    // An error of the savepoint's own that looks like a connection error (see the last tests).
+    app.post('/foreign-savepoint', async (request, reply) => {
+      const tx = request.idempotency?.sql as TransactionSql<any>
+      const key = request.idempotency?.key as string
+      await tx`INSERT INTO ${tx(schema)}.payments (key) VALUES (${key})`
+      const caught = await tx.savepoint(async (savepoint) => {
+        await savepoint`INSERT INTO ${savepoint(schema)}.payments (key) VALUES (${key})`
+        throw foreign()
+      }).catch((err: unknown) => err)
+      return reply.code(201).send({ code: (caught as { code?: unknown }).code })
     })
     await app.ready()
   })
@@ -236,5 +249,34 @@ function suite (url: string): void {
     }
     t.equal(retry.statusCode, 201, 'the process is alive; the retry runs the step afresh')
     t.equal(await rowsOf('step'), 1, 'one execution')
+  })
+
+  // Guards of the other side: only this transaction's own statements say its connection is lost.
+  // An error of the handler's own that looks like a connection error (a fetch's ECONNRESET) must
+  // not leave a live transaction open forever.
+
+  t.test('a step whose fn fails with another connection\'s error rolls back as usual, and its connection serves again', async (t) => {
+    scenario = { continuation: async () => { throw foreign() }, inSavepoint: false }
+    const pid = new Promise<number>((resolve) => { held = resolve })
+    const answer = app.inject({ method: 'POST', url: '/step', headers: { 'idempotency-key': '"foreign-step"' } })
+    const backend = await pid
+    resume?.()
+    const response = await answer
+    t.equal(response.statusCode, 500)
+    t.equal(await rowsOf('foreign-step'), 0, 'rolled back')
+    let state: unknown = 'idle in transaction'
+    for (let i = 0; i < 100 && state !== 'idle'; i++) {
+      state = (await admin`SELECT state FROM pg_stat_activity WHERE pid = ${backend}`)[0]?.state
+      if (state !== 'idle') await sleep(10)
+    }
+    t.equal(state, 'idle', 'ROLLBACK was sent: the connection is idle, not left in its transaction')
+  })
+
+  t.test('a savepoint whose fn fails with another connection\'s error is rolled back to, and the request commits', async (t) => {
+    scenario = null
+    const response = await app.inject({ method: 'POST', url: '/foreign-savepoint', headers: { 'idempotency-key': '"foreign-savepoint"' } })
+    t.same([response.statusCode, JSON.parse(response.body)], [201, { code: 'ECONNRESET' }], 'the handler got its error and went on')
+    t.equal(await rowsOf('foreign-savepoint'), 1, 'the savepoint\'s row was rolled back to, the other committed')
+    t.equal(store.openTransactions, 0)
   })
 }
