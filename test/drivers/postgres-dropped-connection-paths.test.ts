@@ -279,4 +279,47 @@ function suite (url: string): void {
     t.equal(await rowsOf('foreign-savepoint'), 1, 'the savepoint\'s row was rolled back to, the other committed')
     t.equal(store.openTransactions, 0)
   })
+
+  t.test('the reconciler\'s lock connection drops during a pass: no COMMIT is sent on it, the pass reports the error, the process lives', async (t) => {
+    // A client of its own, with connections to spare: the passes that follow use live ones, so
+    // nothing reconnects the dropped one under the pass still running on it.
+    const own = postgres(url, { max: 4, fetch_types: false, backoff: () => 0.01, onnotice: () => {}, connection: { application_name: `${application}-r` } })
+    t.teardown(async () => { await own.end({ timeout: 1 }) })
+    const reconciling = postgresStore({ sql: own, schema, table: 'records', purgeInterval: 0 })
+    const stuck = await reconciling.claim({ scope: 'test', key: 'reconciler-stuck', fingerprint: { algorithm: 'canonical-v1', digest: Buffer.alloc(32) }, leaseMs: 1, ttlMs: 60_000 })
+    t.equal(stuck.outcome, 'acquired', 'a record whose owner will not come back')
+    await sleep(20)
+    let entered!: () => void
+    const inPass = new Promise<void>((resolve) => { entered = resolve })
+    let open!: () => void
+    const gate = new Promise<void>((resolve) => { open = resolve })
+    let left!: () => void
+    const passEnding = new Promise<void>((resolve) => { left = resolve })
+    const errors: unknown[] = []
+    const reconciler = reconciling.startReconciler({
+      interval: 20,
+      olderThan: 0,
+      resolve: async () => { entered(); await gate; setTimeout(left, 0); return undefined },
+      onError: (err) => { errors.push(err) }
+    })
+    await inPass
+    const [lock] = await admin`SELECT pid FROM pg_stat_activity WHERE application_name = ${`${application}-r`} AND state = 'idle in transaction'`
+    t.ok(lock !== undefined, 'the pass holds its lock transaction')
+    const [terminated] = await admin`SELECT pg_terminate_backend(${lock?.pid ?? 0}) AS done`
+    t.equal(terminated?.done, true)
+    for (let i = 0; i < 200; i++) {
+      if ((await admin`SELECT 1 FROM pg_stat_activity WHERE pid = ${lock?.pid ?? 0}`).length === 0) break
+      await sleep(10)
+    }
+    await sleep(100)
+    open()
+    // stop() does not wait for the pass: sql.begin already failed with the connection. The pass's
+    // last statements and its transaction's end come right after `resolve` returned.
+    await passEnding
+    await sleep(200)
+    await reconciler.stop()
+    t.ok(errors.some((err) => (err as { code?: unknown }).code === 'CONNECTION_CLOSED'), 'the pass reported its lock connection closed')
+    const [row] = await own`SELECT 1 AS one`
+    t.equal(row?.one, 1, 'the process is alive and the pool serves')
+  })
 }
