@@ -4,6 +4,7 @@ import type { ReconcileSource } from '../../lib/reconcile.js'
 import type { Lease, RecordId, StepResults, StoredResponse } from '../../lib/store.js'
 import type { PostgresClient, ResolvedNames } from './options.js'
 import { identifier, type Value } from './statements.js'
+import { beginOnLiveConnection, watched } from './dropped-connection.js'
 import { guardTransaction } from './transaction.js'
 
 /*
@@ -114,12 +115,14 @@ export function createRecovery (sql: PostgresClient, names: ResolvedNames): Reco
     async runStepInTransaction (lease, name, fn, toJson) {
       let guard: ReturnType<typeof guardTransaction> | null = null
       try {
-        return await sql.begin(async (tx) => {
-          guard = guardTransaction(tx)
+        // Nothing sent once the connection dropped, not even the ROLLBACK (dropped-connection.ts).
+        return await beginOnLiveConnection(sql, async (tx, connection) => {
+          guard = guardTransaction(tx, connection)
           const json = toJson(await fn(guard.sql))
+          if (connection.lost !== null) throw connection.lost
           // In the step's transaction: the record is written (and the row locked) only if this
           // lease still owns it, and commits with everything `fn` wrote, or neither does.
-          const saved = await tx.unsafe(saveStepText, [...fenced(lease), name, stepEntry(name, json)], { prepare: true })
+          const saved = await watched(connection, tx.unsafe(saveStepText, [...fenced(lease), name, stepEntry(name, json)], { prepare: true }))
           if (saved.count !== 1) throw LOST
           return json
         }) as string

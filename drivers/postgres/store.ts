@@ -7,6 +7,7 @@ import type {
 } from '../../lib/store.js'
 import { integerOption } from '../../lib/validate.js'
 import { resolveStoreOptions, type PostgresStoreOptions } from './options.js'
+import { beginOnLiveConnection, watched } from './dropped-connection.js'
 import { createOutbox, type DeliveryReport } from './outbox.js'
 import { createRecovery } from './recovery.js'
 import { migrate } from './schema.js'
@@ -144,11 +145,14 @@ export function postgresStore (options: PostgresStoreOptions): PostgresStore {
   async function exclusively (run: () => Promise<void>): Promise<boolean> {
     const lock = `${RECONCILER_LOCK}${settings.schema}.${settings.table}`
     let ran = false
-    await settings.sql.begin(async (tx) => {
-      const [row] = await tx`SELECT pg_try_advisory_xact_lock(hashtextextended(${lock}, 0)) AS locked`
+    // The lock's connection may drop while the pass runs: then no COMMIT (or ROLLBACK) is sent on
+    // it, and this rejects with the connection's error (dropped-connection.ts).
+    await beginOnLiveConnection(settings.sql, async (tx, connection) => {
+      const [row] = await watched(connection, tx`SELECT pg_try_advisory_xact_lock(hashtextextended(${lock}, 0)) AS locked`)
       if (row?.locked !== true) return
       ran = true
       await run()
+      if (connection.lost !== null) throw connection.lost
     })
     return ran
   }

@@ -4,6 +4,7 @@ import type { TransactionSql } from 'postgres'
 import { RolledBackError } from '../../lib/errors.js'
 import { fingerprintsEqual } from '../../lib/fingerprint.js'
 import type { ClaimRequest, ClaimResult, Lease, StoredResponse } from '../../lib/store.js'
+import { beginOnLiveConnection, isConnectionError, watched, type ConnectionState } from './dropped-connection.js'
 import type { PostgresClient, ResolvedNames } from './options.js'
 import { createStatements, type Statements } from './statements.js'
 
@@ -61,22 +62,24 @@ export function createTransactions (sql: PostgresClient, names: ResolvedNames): 
       const decided = new Promise<Decision>((resolve) => { decide = resolve })
 
       unfinished++
-      const finished = sql.begin(async (tx) => {
+      // On a dropped connection nothing more is sent, not even the ROLLBACK (dropped-connection.ts).
+      const finished = beginOnLiveConnection(sql, async (tx, connection) => {
         const statements = createStatements(tx, names)
-        const outcome = await claimWithin(tx, statements, request, token)
+        const outcome = await claimWithin(tx, statements, request, token, connection)
         if (outcome.outcome !== 'acquired') {
           resolveClaim(outcome)
           throw ROLLBACK
         }
-        const guard = guardTransaction(tx)
+        const guard = guardTransaction(tx, connection)
         acquired = true
         resolveClaim({ ...outcome, transaction: guard.sql })
         const decision = await decided
         guard.end()
-        if (decision === null) throw ROLLBACK
+        // Lost: the response is not written; COMMIT was never sent, so the client gets not-committed.
+        if (decision === null || connection.lost !== null) throw ROLLBACK
         let recorded: boolean
         try {
-          recorded = await statements.complete({ scope: request.scope, key: request.key, token }, decision.response, decision.ttlMs)
+          recorded = await watched(connection, statements.complete({ scope: request.scope, key: request.key, token }, decision.response, decision.ttlMs))
         } catch (err) {
           throw new RolledBackError('the transaction could not record its response, so it was rolled back', { cause: err })
         }
@@ -156,29 +159,35 @@ async function claimWithin (
   tx: TransactionSql<any>,
   statements: Statements,
   request: ClaimRequest & { readonly waitMs: number },
-  token: string
+  token: string,
+  connection: ConnectionState
 ): Promise<ClaimResult> {
   const args = { ...request, token }
   const lease = { scope: request.scope, key: request.key, token }
   const setLockTimeout = lockTimeoutStatement(request.waitMs)
+  // Checked before each round trip: a connection that closed between two is not written to.
+  const live = (): void => { if (connection.lost !== null) throw connection.lost }
   for (let round = 0; round < MAX_CLAIM_ROUNDS; round++) {
+    live()
     // postgres.js sends a query when it is first awaited: execute() puts this one on the wire
     // before the claim (whose async function sends its statement as soon as it is called).
     const setTimeoutQuery = tx.unsafe(setLockTimeout).execute()
-    const [, result] = await Promise.all([
+    const [, result] = await watched(connection, Promise.all([
       setTimeoutQuery,
       statements.claim(args),
       tx`set local lock_timeout to default`
-    ])
+    ]))
     if (result === null) continue
     if (result.acquired) return { outcome: 'acquired', lease, takeover: false }
     const record = result.record
     if (record.expired) {
-      if (await statements.reclaim(args, record.token)) return { outcome: 'acquired', lease, takeover: false }
+      live()
+      if (await watched(connection, statements.reclaim(args, record.token))) return { outcome: 'acquired', lease, takeover: false }
       continue
     }
     if (record.state === 'in_progress' && record.lapsed && fingerprintsEqual(record.fingerprint, request.fingerprint)) {
-      if (await statements.takeover(args, record.token)) return { outcome: 'acquired', lease, takeover: true }
+      live()
+      if (await watched(connection, statements.takeover(args, record.token))) return { outcome: 'acquired', lease, takeover: true }
       continue
     }
     return record.state === 'completed' && record.response !== null
@@ -210,13 +219,34 @@ function lockTimeoutStatement (waitMs: number): string {
  * ended, checked when the query is SENT (postgres.js sends a query when it is first awaited, so a
  * query built before the end and awaited after is refused too), and the same holds for the handles
  * of its savepoints (`sql.savepoint(fn)`) and for `sql.file()`.
+ *
+ * It also refuses every query once the transaction's connection is lost (`connection`), since
+ * postgres.js would write it to the closed socket and crash the process (dropped-connection.ts):
+ * a query failing with a connection error marks the connection lost before the code awaiting it
+ * resumes (the guard watches each query from its creation, so its reaction runs first), and the
+ * queries sent and not yet answered are refused at that moment (postgres.js never answers one it
+ * had queued behind a statement in flight).
  */
-export function guardTransaction (tx: TransactionSql<any>): { sql: TransactionSql<any>, end: () => void } {
-  const transaction = { ended: false }
+export function guardTransaction (tx: TransactionSql<any>, connection: ConnectionState = connectionUnwatched()): { sql: TransactionSql<any>, end: () => void } {
+  const transaction: Guarded = { ended: false, connection, unanswered: new Set() }
+  connection.onLost((err) => {
+    for (const query of transaction.unanswered) query.reject(lostError(err))
+    transaction.unanswered.clear()
+  })
   return { sql: guardHandle(tx, transaction), end: () => { transaction.ended = true } }
 }
 
-interface Ending { ended: boolean }
+interface Guarded {
+  ended: boolean
+  readonly connection: ConnectionState
+  /** Queries sent and not yet settled. */
+  readonly unanswered: Set<PendingQuery>
+}
+
+/** For a caller that does not track its connection: never lost, so the guard only fences the end. */
+function connectionUnwatched (): ConnectionState {
+  return { lost: null, lose: () => {}, onLost: () => {} }
+}
 
 /** The parts of a postgres.js Query the guard uses (src/query.js). */
 interface PendingQuery extends Promise<unknown> {
@@ -227,8 +257,24 @@ interface PendingQuery extends Promise<unknown> {
 
 const endedError = (): Error => new Error("fastify-idempotency: this request's transaction has ended (committed or rolled back); run no more queries through request.idempotency.sql")
 
-function guardHandle (handle: TransactionSql<any>, transaction: Ending): TransactionSql<any> {
-  const check = (): void => { if (transaction.ended) throw endedError() }
+/** The code postgres.js gives a query on a closed connection, so a handler's own checks still match. */
+const lostError = (cause: unknown): Error => Object.assign(
+  new Error("fastify-idempotency: the connection of this request's transaction closed, so PostgreSQL rolled the transaction back; nothing more is sent through request.idempotency.sql", { cause }),
+  { code: 'CONNECTION_CLOSED' }
+)
+
+/** Why a query may not be sent now, or null. */
+function refusal (transaction: Guarded): Error | null {
+  if (transaction.ended) return endedError()
+  const lost = transaction.connection.lost
+  return lost === null ? null : lostError(lost)
+}
+
+function guardHandle (handle: TransactionSql<any>, transaction: Guarded): TransactionSql<any> {
+  const check = (): void => {
+    const refused = refusal(transaction)
+    if (refused !== null) throw refused
+  }
   return new Proxy(handle, {
     apply (target, thisArg, args) {
       check()
@@ -238,15 +284,7 @@ function guardHandle (handle: TransactionSql<any>, transaction: Ending): Transac
       const value: unknown = Reflect.get(target, property, receiver)
       if (typeof value !== 'function') return value
       const method = value as (...a: unknown[]) => unknown
-      if (property === 'savepoint') {
-        // The savepoint's own handle is guarded by the same transaction's end.
-        return (...args: unknown[]) => {
-          check()
-          return method.apply(target, args.map((arg) => typeof arg === 'function'
-            ? (savepoint: TransactionSql<any>) => (arg as (sql: TransactionSql<any>) => unknown)(guardHandle(savepoint, transaction))
-            : arg))
-        }
-      }
+      if (property === 'savepoint') return (...args: unknown[]) => { check(); return savepoint(target, method, args, transaction) }
       if (property === 'file') return (...args: unknown[]) => { check(); return fencedFile(target, method.apply(target, args) as PendingQuery, String(args[0]), transaction) }
       if (property === 'notify') {
         return () => { throw new Error('fastify-idempotency: notify() on request.idempotency.sql runs on another connection, outside the transaction (postgres.js); use sql`select pg_notify(${channel}, ${payload})` so it is sent when the transaction commits') }
@@ -256,16 +294,54 @@ function guardHandle (handle: TransactionSql<any>, transaction: Ending): Transac
   })
 }
 
+/**
+ * `sql.savepoint(fn)`: the savepoint's own handle is guarded by the same transaction. When `fn`
+ * fails because the connection is lost, postgres.js would send ROLLBACK TO SAVEPOINT on it: `fn`'s
+ * promise is left pending instead (as the transaction's callback is), and the handler gets the
+ * error from the promise returned here.
+ */
+function savepoint (target: TransactionSql<any>, method: (...a: unknown[]) => unknown, args: unknown[], transaction: Guarded): Promise<unknown> {
+  return new Promise((resolve, reject) => {
+    const guarded = args.map((arg) => typeof arg !== 'function' ? arg : async (handle: TransactionSql<any>) => {
+      try {
+        const result = (arg as (sql: TransactionSql<any>) => unknown)(guardHandle(handle, transaction))
+        return await (Array.isArray(result) ? Promise.all(result) : result)
+      } catch (err) {
+        // Lost: noted by the guard when one of the savepoint's queries failed with it (an error of
+        // `fn`'s own, such as a fetch's ECONNRESET, says nothing of this connection).
+        if (transaction.connection.lost === null) throw err
+        reject(err)
+        return await new Promise<never>(() => {})
+      }
+    })
+    ;(method.apply(target, guarded) as Promise<unknown>).then(resolve, reject)
+  })
+}
+
 function isQuery (value: unknown): value is PendingQuery {
   return value instanceof Promise && typeof (value as Partial<PendingQuery>).handler === 'function' && 'strings' in value
 }
 
-/** A query is sent through its `handler`: the fenced one refuses it once the transaction ended. */
-function fenced<T> (value: T, transaction: Ending): T {
+/**
+ * A query is sent through its `handler`: the fenced one refuses it once the transaction ended or
+ * its connection was lost. Watched from here with the plain Promise `then` (a query's own `then`
+ * would send it): a connection error marks the connection lost before anyone else reacts to it.
+ */
+function fenced<T> (value: T, transaction: Guarded): T {
   if (!isQuery(value)) return value
-  const send = value.handler
-  const guarded = (query: PendingQuery): unknown => transaction.ended ? query.reject(endedError()) : send(query)
-  value.handler = Object.assign(guarded, { debug: send.debug })
+  const query = value
+  Promise.prototype.then.call(query, () => { transaction.unanswered.delete(query) }, (err: unknown) => {
+    transaction.unanswered.delete(query)
+    if (isConnectionError(err)) transaction.connection.lose(err)
+  })
+  const send = query.handler
+  const guarded = (pending: PendingQuery): unknown => {
+    const refused = refusal(transaction)
+    if (refused !== null) return pending.reject(refused)
+    transaction.unanswered.add(pending)
+    return send(pending)
+  }
+  query.handler = Object.assign(guarded, { debug: send.debug })
   return value
 }
 
@@ -273,18 +349,28 @@ function fenced<T> (value: T, transaction: Ending): T {
  * `sql.file()` reads the file first and then sends the query itself, past its own `handler`: read
  * here instead, and send through the transaction's handler (a tagged query's) after a last check.
  */
-function fencedFile (handle: TransactionSql<any>, query: PendingQuery, path: string, transaction: Ending): PendingQuery {
+function fencedFile (handle: TransactionSql<any>, query: PendingQuery, path: string, transaction: Guarded): PendingQuery {
   const probe = (handle as unknown as (strings: TemplateStringsArray) => PendingQuery)(Object.assign([''], { raw: [''] }) as unknown as TemplateStringsArray)
   const send = probe.handler
+  const refuse = (pending: PendingQuery): boolean => {
+    const refused = refusal(transaction)
+    if (refused !== null) pending.reject(refused)
+    return refused !== null
+  }
   const read = (pending: PendingQuery): void => {
-    if (transaction.ended) return pending.reject(endedError())
+    if (refuse(pending)) return
     readFile(path, 'utf8', (err, text) => {
       if (err !== null) return pending.reject(err)
       pending.strings = [text]
-      if (transaction.ended) return pending.reject(endedError())
+      if (refuse(pending)) return
+      transaction.unanswered.add(pending)
       send(pending)
     })
   }
+  Promise.prototype.then.call(query, () => { transaction.unanswered.delete(query) }, (err: unknown) => {
+    transaction.unanswered.delete(query)
+    if (isConnectionError(err)) transaction.connection.lose(err)
+  })
   query.handler = Object.assign(read, { debug: send.debug })
   return query
 }
