@@ -24,7 +24,7 @@ import { createHash, randomUUID } from 'node:crypto'
 import postgres from 'postgres'
 import { createStatements, type ClaimArgs } from '../drivers/postgres/statements.js'
 import { migrate } from '../drivers/postgres/schema.js'
-import { resolveNames } from '../drivers/postgres/options.js'
+import { postgresJsClient } from '../drivers/postgres/postgres-js.js'
 
 const url = process.env.DATABASE_URL
 if (url === undefined || url === '') throw new Error('DATABASE_URL is not set')
@@ -36,10 +36,9 @@ const DUPLICATE_KEYS = 1000
 
 const schema = `idem_bench_claim_${randomUUID().slice(0, 8)}`
 const sql = postgres(url, { max: CONCURRENCY, onnotice: () => {}, fetch_types: false })
-const names = resolveNames({ schema, table: 'records' }, 'bench')
 await migrate(sql, { schema, table: 'records' })
-const statements = createStatements(sql, names)
 const table = `"${schema}".records`
+const statements = createStatements(postgresJsClient(sql), table)
 const upsertText = `
   INSERT INTO ${table} (scope, key, fingerprint, fingerprint_algorithm, state, owner_token, lease_expires_at, expires_at)
   VALUES ($1, $2, $3::bytea, $4, 'in_progress', $5::uuid, now() + $6::float8 * interval '1 millisecond',

@@ -1,10 +1,8 @@
-import type { TransactionSql } from 'postgres'
 import { checkName, deriveKey } from '../../lib/derive.js'
 import { InvalidOptionError } from '../../lib/errors.js'
 import type { OutboxEntry, RecordId } from '../../lib/store.js'
 import { integerOption, MAX_TIMER_MS } from '../../lib/validate.js'
-import type { PostgresClient, ResolvedNames } from './options.js'
-import { identifier, type Value } from './statements.js'
+import type { DatabaseClient, Value } from './client.js'
 
 /*
  * The transactional outbox (seeds: "record the operation first, make the external call carry its
@@ -79,8 +77,8 @@ export function resolveOutboxOptions (options: unknown): ResolvedOutboxOptions |
 
 type MessageColumns = [scope: string, key: string, name: string, topic: string, payload: unknown, deliveryKey: string, attempt: number, createdAt: Date]
 
-export function createOutbox (sql: PostgresClient, names: ResolvedNames, options: ResolvedOutboxOptions): Outbox {
-  const table = `${identifier(sql, names.schema)}.${identifier(sql, `${names.table}_outbox`)}`
+/** `table`: the quoted, schema-qualified name of the outbox table. */
+export function createOutbox (db: DatabaseClient, table: string, options: ResolvedOutboxOptions): Outbox {
   const ms = (n: number): string => `$${n}::float8 * interval '1 millisecond'`
   const columns = 'scope, key, name, topic, payload, delivery_key, attempts, created_at'
 
@@ -120,7 +118,7 @@ export function createOutbox (sql: PostgresClient, names: ResolvedNames, options
     WHERE delivered_at <= now() - ${ms(1)}
       AND (scope, key, name) IN (SELECT scope, key, name FROM ${table} WHERE delivered_at <= now() - ${ms(1)} LIMIT $2::int)`
 
-  const run = (text: string, values: Value[]): ReturnType<typeof sql.unsafe> => sql.unsafe(text, values, { prepare: true })
+  const run = (text: string, values: Value[]): ReturnType<DatabaseClient['query']> => db.query(text, values)
 
   async function deliverAll (rows: MessageColumns[]): Promise<DeliveryReport> {
     let delivered = 0
@@ -148,23 +146,23 @@ export function createOutbox (sql: PostgresClient, names: ResolvedNames, options
       if (typeof message.topic !== 'string') throw new TypeError(`fastify-idempotency: an outbox message's topic must be a string; received ${typeof message.topic}`)
       const payload = JSON.stringify(message.payload)
       if (payload === undefined) throw new TypeError('fastify-idempotency: an outbox message\'s payload must be a JSON value')
-      const tx = transaction as TransactionSql<any> | undefined
-      if (typeof tx?.unsafe !== 'function') {
+      const tx = db.connectionOf(transaction)
+      if (tx === null) {
         throw new TypeError('fastify-idempotency: enqueue() needs the transaction the message commits with (atomic mode: request.idempotency.sql; lease mode: the one a step(name, fn, { transaction: true }) receives)')
       }
-      await tx.unsafe(enqueueText, [
+      await tx.query(enqueueText, [
         message.scope, message.key, message.name, message.topic, payload,
         deriveKey(message.scope, message.key, message.name), options.visibility
-      ], { prepare: true })
+      ])
     },
 
     async deliverFor (id) {
-      const rows = await run(claimForText, [id.scope, id.key, options.visibility]).values()
+      const { rows } = await run(claimForText, [id.scope, id.key, options.visibility])
       return deliverAll(rows as unknown as MessageColumns[])
     },
 
     async deliverDue (limit) {
-      const rows = await run(claimDueText, [options.visibility, limit]).values()
+      const { rows } = await run(claimDueText, [options.visibility, limit])
       return deliverAll(rows as unknown as MessageColumns[])
     },
 

@@ -2,10 +2,7 @@ import { randomUUID } from 'node:crypto'
 import type { InspectedRecord } from '../../lib/admin.js'
 import type { ReconcileSource } from '../../lib/reconcile.js'
 import type { Lease, RecordId, StepResults, StoredResponse } from '../../lib/store.js'
-import type { PostgresClient, ResolvedNames } from './options.js'
-import { identifier, type Value } from './statements.js'
-import { beginOnLiveConnection, watched } from './dropped-connection.js'
-import { guardTransaction } from './transaction.js'
+import type { DatabaseClient, Value } from './client.js'
 
 /*
  * Recovery points, indeterminate failures, the reconciler's statements and the operator tools.
@@ -34,8 +31,8 @@ type InspectColumns = [
   headers: StoredResponse['headers'] | null, body: Buffer | null
 ]
 
-export function createRecovery (sql: PostgresClient, names: ResolvedNames): Recovery {
-  const table = `${identifier(sql, names.schema)}.${identifier(sql, names.table)}`
+/** `table`: the quoted, schema-qualified name of the records table. */
+export function createRecovery (db: DatabaseClient, table: string): Recovery {
   const ms = (n: number): string => `$${n}::float8 * interval '1 millisecond'`
   const owned = "scope = $1 AND key = $2 AND owner_token = $3::uuid AND state = 'in_progress'"
 
@@ -93,7 +90,7 @@ export function createRecovery (sql: PostgresClient, names: ResolvedNames): Reco
 
   const forceReleaseText = `DELETE FROM ${table} WHERE scope = $1 AND key = $2 AND state = 'in_progress'`
 
-  const run = (text: string, values: Value[]): ReturnType<typeof sql.unsafe> => sql.unsafe(text, values, { prepare: true })
+  const run = (text: string, values: Value[]): ReturnType<DatabaseClient['query']> => db.query(text, values)
   const fenced = (lease: Lease): Value[] => [lease.scope, lease.key, lease.token]
   // A step's JSON text is recorded as a jsonb STRING, not parsed into jsonb: jsonb refuses some
   // JSON that JSON.stringify writes (\u0000, an unpaired surrogate escape), and a step that ran must
@@ -102,7 +99,7 @@ export function createRecovery (sql: PostgresClient, names: ResolvedNames): Reco
 
   return {
     async loadSteps (lease) {
-      const rows = await run(loadStepsText, fenced(lease)).values()
+      const rows = (await run(loadStepsText, fenced(lease))).rows
       const row = rows[0] as [Record<string, unknown>] | undefined
       return row === undefined ? null : decodeSteps(row[0])
     },
@@ -113,24 +110,25 @@ export function createRecovery (sql: PostgresClient, names: ResolvedNames): Reco
     },
 
     async runStepInTransaction (lease, name, fn, toJson) {
-      let guard: ReturnType<typeof guardTransaction> | null = null
+      let guard: { end (): void } | null = null
       try {
         // Nothing sent once the connection dropped, not even the ROLLBACK (dropped-connection.ts).
-        return await beginOnLiveConnection(sql, async (tx, connection) => {
-          guard = guardTransaction(tx, connection)
-          const json = toJson(await fn(guard.sql))
-          if (connection.lost !== null) throw connection.lost
+        return await db.transaction(async (tx) => {
+          const guarded = tx.guarded()
+          guard = guarded
+          const json = toJson(await fn(guarded.handle))
+          if (tx.connection.lost !== null) throw tx.connection.lost
           // In the step's transaction: the record is written (and the row locked) only if this
           // lease still owns it, and commits with everything `fn` wrote, or neither does.
-          const saved = await watched(connection, tx.unsafe(saveStepText, [...fenced(lease), name, stepEntry(name, json)], { prepare: true }))
+          const saved = await tx.query(saveStepText, [...fenced(lease), name, stepEntry(name, json)])
           if (saved.count !== 1) throw LOST
           return json
-        }) as string
+        })
       } catch (err) {
         if (err === LOST) return null
         throw err
       } finally {
-        (guard as ReturnType<typeof guardTransaction> | null)?.end()
+        (guard as { end (): void } | null)?.end()
       }
     },
 
@@ -140,13 +138,13 @@ export function createRecovery (sql: PostgresClient, names: ResolvedNames): Reco
     },
 
     async inspect (id) {
-      const rows = await run(inspectText, [id.scope, id.key]).values()
+      const rows = (await run(inspectText, [id.scope, id.key])).rows
       const row = rows[0] as InspectColumns | undefined
       return row === undefined ? null : inspected(id, row)
     },
 
     async listHeld (limit) {
-      const rows = await run(listHeldText, [limit]).values() as unknown as Array<[string, string, ...InspectColumns]>
+      const rows = (await run(listHeldText, [limit])).rows as unknown as Array<[string, string, ...InspectColumns]>
       return rows.map(([scope, key, ...columns]) => inspected({ scope, key }, columns))
     },
 
@@ -158,12 +156,12 @@ export function createRecovery (sql: PostgresClient, names: ResolvedNames): Reco
     source (complete, release) {
       return {
         async findStuck (olderThanMs, limit) {
-          const rows = await run(findStuckText, [olderThanMs, limit]).values()
+          const rows = (await run(findStuckText, [olderThanMs, limit])).rows
           return (rows as unknown as Array<[string, string, string]>).map(([scope, key, token]) => ({ scope, key, token }))
         },
         async acquire (candidate, olderThanMs, leaseMs) {
           const token = randomUUID()
-          const rows = await run(acquireText, [candidate.scope, candidate.key, candidate.token, token, olderThanMs, leaseMs]).values()
+          const rows = (await run(acquireText, [candidate.scope, candidate.key, candidate.token, token, olderThanMs, leaseMs])).rows
           const row = rows[0] as [string, Buffer, Record<string, unknown>, boolean, Date] | undefined
           if (row === undefined) return null
           const [algorithm, digest, steps, indeterminate, createdAt] = row

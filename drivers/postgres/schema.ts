@@ -1,4 +1,5 @@
-import { resolveClient, resolveNames, type PostgresClient, type TableOptions } from './options.js'
+import type { DatabaseClient } from './client.js'
+import { resolveDatabase, resolveNames, type NodePostgresPoolLike, type PostgresClient, type ResolvedNames, type TableOptions } from './options.js'
 
 /**
  * Creates the schema (when missing), the records table and its purge index. Idempotent: every
@@ -15,6 +16,8 @@ import { resolveClient, resolveNames, type PostgresClient, type TableOptions } f
  * into a prepared statement"; issue 15). This is why migrate() works on distributed tables, and
  * why schema.sql must be applied statement by statement (its header says how).
  *
+ * `client` is a postgres.js client or a node-postgres Pool, as for postgresStore.
+ *
  * @example
  * import postgres from 'postgres'
  * import { migrate } from 'fastify-idempotency/postgres'
@@ -22,15 +25,21 @@ import { resolveClient, resolveNames, type PostgresClient, type TableOptions } f
  * const sql = postgres(process.env.DATABASE_URL)
  * await migrate(sql, { schema: 'app' })
  */
-export async function migrate (sql: PostgresClient, options: TableOptions = {}): Promise<void> {
-  const client = resolveClient('migrate: sql', sql)
-  const names = resolveNames(options, 'migrate')
-  const index = `${names.table}_expires_at_idx`
-  await client.begin(async (tx) => {
+export async function migrate (client: PostgresClient | NodePostgresPoolLike, options: TableOptions = {}): Promise<void> {
+  const db = resolveDatabase('migrate: client', client)
+  await migrateOn(db, resolveNames(options, 'migrate'))
+}
+
+export async function migrateOn (db: DatabaseClient, names: ResolvedNames): Promise<void> {
+  const id = (name: string): string => db.identifier(name)
+  const schema = id(names.schema)
+  const records = `${schema}.${id(names.table)}`
+  const outbox = `${schema}.${id(`${names.table}_outbox`)}`
+  await db.transaction(async (tx) => {
     // IF NOT EXISTS reports a skipped object as a NOTICE, which postgres.js prints by default.
-    await tx`SET LOCAL client_min_messages = warning`
-    await tx`SELECT pg_advisory_xact_lock(hashtext('fastify-idempotency:migrate'))`
-    await tx`CREATE SCHEMA IF NOT EXISTS ${tx(names.schema)}`.simple()
+    await tx.simple('SET LOCAL client_min_messages = warning')
+    await tx.simple("SELECT pg_advisory_xact_lock(hashtext('fastify-idempotency:migrate'))")
+    await tx.simple(`CREATE SCHEMA IF NOT EXISTS ${schema}`)
     // Shape from the seeds, with these choices:
     // - PRIMARY KEY (scope, key), scope first: the uniqueness that makes "at most once" hold, and
     //   the distribution column on Citus (every unique index there must include it; citus-notes 6).
@@ -41,8 +50,8 @@ export async function migrate (sql: PostgresClient, options: TableOptions = {}):
     //   UPDATE/DELETE on Citus; citus-notes 2); it fences complete/release/renew.
     // - lease_expires_at / expires_at: computed from the database clock (now()), never the app's.
     // - response_body NULL on a completed record: the outcome was recorded but its body not retained.
-    await tx`
-      CREATE TABLE IF NOT EXISTS ${tx(names.schema)}.${tx(names.table)} (
+    await tx.simple(`
+      CREATE TABLE IF NOT EXISTS ${records} (
         scope                 text COLLATE "C" NOT NULL,
         key                   text COLLATE "C" NOT NULL,
         fingerprint           bytea NOT NULL,
@@ -58,25 +67,25 @@ export async function migrate (sql: PostgresClient, options: TableOptions = {}):
         steps                 jsonb NOT NULL DEFAULT '{}',
         indeterminate         boolean NOT NULL DEFAULT false,
         PRIMARY KEY (scope, key)
-      )`.simple()
+      )`)
     // Recovery points and indeterminate failures came after the first release: a table created by
     // an earlier version gets their columns here (a no-op on a table created above).
-    await tx`
-      ALTER TABLE ${tx(names.schema)}.${tx(names.table)}
+    await tx.simple(`
+      ALTER TABLE ${records}
         ADD COLUMN IF NOT EXISTS steps jsonb NOT NULL DEFAULT '{}',
-        ADD COLUMN IF NOT EXISTS indeterminate boolean NOT NULL DEFAULT false`.simple()
+        ADD COLUMN IF NOT EXISTS indeterminate boolean NOT NULL DEFAULT false`)
     // The purge finds expired records through this index instead of scanning the table.
-    await tx`CREATE INDEX IF NOT EXISTS ${tx(index)} ON ${tx(names.schema)}.${tx(names.table)} (expires_at)`.simple()
+    await tx.simple(`CREATE INDEX IF NOT EXISTS ${id(`${names.table}_expires_at_idx`)} ON ${records} (expires_at)`)
     // The reconciler finds records left in progress through this one; completed records (almost
     // all of them) are not in it.
-    await tx`
-      CREATE INDEX IF NOT EXISTS ${tx(`${names.table}_in_progress_idx`)}
-      ON ${tx(names.schema)}.${tx(names.table)} (lease_expires_at) WHERE state = 'in_progress'`.simple()
+    await tx.simple(`
+      CREATE INDEX IF NOT EXISTS ${id(`${names.table}_in_progress_idx`)}
+      ON ${records} (lease_expires_at) WHERE state = 'in_progress'`)
     // The transactional outbox (drivers/postgres/outbox.ts): messages enqueued in a request's or a
     // step's transaction, delivered after it commits. Keyed like the records (scope first, for
     // Citus co-location), one message per (scope, key, name).
-    await tx`
-      CREATE TABLE IF NOT EXISTS ${tx(names.schema)}.${tx(`${names.table}_outbox`)} (
+    await tx.simple(`
+      CREATE TABLE IF NOT EXISTS ${outbox} (
         scope           text COLLATE "C" NOT NULL,
         key             text COLLATE "C" NOT NULL,
         name            text COLLATE "C" NOT NULL,
@@ -89,9 +98,9 @@ export async function migrate (sql: PostgresClient, options: TableOptions = {}):
         last_error      text,
         delivered_at    timestamptz,
         PRIMARY KEY (scope, key, name)
-      )`.simple()
-    await tx`
-      CREATE INDEX IF NOT EXISTS ${tx(`${names.table}_outbox_due_idx`)}
-      ON ${tx(names.schema)}.${tx(`${names.table}_outbox`)} (next_attempt_at) WHERE delivered_at IS NULL`.simple()
+      )`)
+    await tx.simple(`
+      CREATE INDEX IF NOT EXISTS ${id(`${names.table}_outbox_due_idx`)}
+      ON ${outbox} (next_attempt_at) WHERE delivered_at IS NULL`)
   })
 }

@@ -1,6 +1,5 @@
 import type { Fingerprint, Lease, RecordId, StoredResponse } from '../../lib/store.js'
-import type { TransactionSql } from 'postgres'
-import type { PostgresClient, ResolvedNames } from './options.js'
+import type { Queryable, Value } from './client.js'
 
 /*
  * Every statement the lease mode runs, one short statement each, in autocommit (no transaction is
@@ -15,9 +14,8 @@ import type { PostgresClient, ResolvedNames } from './options.js'
  * - A conditional UPDATE/DELETE repeats in its WHERE every condition it relies on. Under READ
  *   COMMITTED, a statement that waited for a concurrent writer re-checks its WHERE against the
  *   row's new version (EvalPlanQual), so exactly one of several racing statements matches.
- * - Results are read positionally (`.values()`), so a client created with a column-name transform
- *   (postgres.camel, postgres.pascal, ...) reads the same columns.
- * - Every statement's text is fixed (built once per createStatements) and postgres.js prepares it
+ * - Results are read positionally (client.ts), whichever client runs them.
+ * - Every statement's text is fixed (built once per createStatements) and prepared by the client
  *   (named, once per connection): after the first use on a connection, each call is a single
  *   round trip (Bind/Execute/Sync) that only binds values.
  */
@@ -71,23 +69,17 @@ type RecordColumns = [
 ]
 type ClaimColumns = [acquired: boolean, ...RecordColumns]
 
-/** The rendering of `sql(name)`: postgres.js's Identifier keeps the quoted, escaped name in `value`. */
-interface RenderedIdentifier { readonly value: unknown }
-
 /**
- * `sql` is the pooled client (lease mode) or a transaction's handle (atomic mode); both have
- * `unsafe`, and a transaction's statements run on its connection, prepared there like any other.
+ * `db` is the pool (lease mode) or a transaction's connection (atomic mode); `table` the quoted,
+ * schema-qualified name of the records table.
  *
  * Every statement's text is built ONCE, here, and each call only binds its values: building a
  * statement from nested fragments on every call (and so its ~1 kB text and the prepared-statement
- * lookup key) was most of the driver's CPU time. `unsafe` with `prepare: true` still prepares each
- * text (named, once per connection) as a tagged template would, and still honours a client created
- * with `prepare: false` (postgres.js ANDs the two). The values are the only input: no text is ever
+ * lookup key) was most of the driver's CPU time. The values are the only input: no text is ever
  * built from one. Where a parameter's type matters, the text casts it; the others (scope, key, the
  * fingerprint algorithm) take their column's type, text.
  */
-export function createStatements (sql: PostgresClient | TransactionSql<any>, names: ResolvedNames): Statements {
-  const table = `${identifier(sql, names.schema)}.${identifier(sql, names.table)}`
+export function createStatements (db: Queryable, table: string): Statements {
   /** now() plus the duration in ms bound as parameter $n. */
   const later = (n: number): string => `now() + $${n}::float8 * interval '1 millisecond'`
   // Milliseconds from now until a timestamp, as epochs: a held record's expires_at is 'infinity'
@@ -208,15 +200,15 @@ export function createStatements (sql: PostgresClient | TransactionSql<any>, nam
       AND (scope, key) IN (SELECT scope, key FROM ${table} WHERE expires_at <= now() LIMIT $1::int)
   `
 
-  const run = (text: string, values: Value[]): ReturnType<typeof sql.unsafe> => sql.unsafe(text, values, { prepare: true })
+  const run = (text: string, values: Value[]): ReturnType<Queryable['query']> => db.query(text, values)
   const claimValues = (args: ClaimArgs, seenToken: string): Value[] =>
     [args.scope, args.key, args.fingerprint.digest, args.fingerprint.algorithm, args.token, args.leaseMs, args.ttlMs, seenToken]
 
   return {
     async claim (args) {
-      const rows = await run(claimText, [
+      const { rows } = await run(claimText, [
         args.scope, args.key, args.fingerprint.digest, args.fingerprint.algorithm, args.token, args.leaseMs, args.ttlMs
-      ]).values()
+      ])
       const row = rows[0] as ClaimColumns | undefined
       if (row === undefined) return null
       if (row[0]) return { acquired: true }
@@ -252,7 +244,7 @@ export function createStatements (sql: PostgresClient | TransactionSql<any>, nam
     },
 
     async get (id) {
-      const rows = await run(getText, [id.scope, id.key]).values()
+      const { rows } = await run(getText, [id.scope, id.key])
       const row = rows[0] as RecordColumns | undefined
       return row === undefined ? null : recordOf(row)
     },
@@ -262,23 +254,6 @@ export function createStatements (sql: PostgresClient | TransactionSql<any>, nam
       return result.count
     }
   }
-}
-
-/** What the statements bind: strings, numbers, the digest and body bytes, null (no body). */
-export type Value = string | number | boolean | Buffer | null
-
-/**
- * `name` quoted and escaped by postgres.js itself, rendered once: `sql(name)` is what a tagged
- * template would interpolate, so the name is escaped exactly as before (a `"` doubled; options.ts
- * rejects dots and NUL) and a client's column-name transform (postgres.camel, ...) applies to it
- * as it does in migrate(), which creates the table through `sql(name)` too.
- */
-export function identifier (sql: PostgresClient | TransactionSql<any>, name: string): string {
-  const rendered = (sql(name) as unknown as RenderedIdentifier).value
-  if (typeof rendered !== 'string' || !rendered.startsWith('"')) {
-    throw new Error('fastify-idempotency: this version of postgres.js renders identifiers in a way the Postgres driver does not know')
-  }
-  return rendered
 }
 
 function recordOf (columns: RecordColumns): ExistingRecord {

@@ -6,11 +6,10 @@ import type {
   ClaimRequest, ClaimResult, IdempotencyStore, Lease, OutboxEntry, RecordId, StepResults, StoredRecord, StoredResponse
 } from '../../lib/store.js'
 import { integerOption } from '../../lib/validate.js'
-import { resolveStoreOptions, type PostgresStoreOptions } from './options.js'
-import { beginOnLiveConnection, watched } from './dropped-connection.js'
+import { resolveStoreOptions, type BackgroundTask, type PostgresStoreOptions } from './options.js'
 import { createOutbox, type DeliveryReport } from './outbox.js'
 import { createRecovery } from './recovery.js'
-import { migrate } from './schema.js'
+import { migrateOn } from './schema.js'
 import { createStatements, type ExistingRecord } from './statements.js'
 import { createTransactions } from './transaction.js'
 
@@ -80,16 +79,23 @@ const UUID = /^[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}$/i
  */
 export function postgresStore (options: PostgresStoreOptions): PostgresStore {
   const settings = resolveStoreOptions(options)
-  const statements = createStatements(settings.sql, settings)
-  const transactions = createTransactions(settings.sql, settings)
-  const recovery = createRecovery(settings.sql, settings)
-  const outbox = settings.outbox === null ? null : createOutbox(settings.sql, settings, settings.outbox)
+  const db = settings.db
+  const table = `${db.identifier(settings.schema)}.${db.identifier(settings.table)}`
+  const statements = createStatements(db, table)
+  const transactions = createTransactions(db, table)
+  const recovery = createRecovery(db, table)
+  const outbox = settings.outbox === null ? null : createOutbox(db, `${db.identifier(settings.schema)}.${db.identifier(`${settings.table}_outbox`)}`, settings.outbox)
   const deliveries = new Set<Promise<unknown>>()
   let purging: Promise<void> | null = null
   let closed = false
 
   const timer = settings.purgeInterval > 0 ? setInterval(purgeInBackground, settings.purgeInterval) : null
   timer?.unref()
+  // node-postgres emits an idle client's connection error on the pool; without a listener that
+  // throws and ends the process (options.ts, `pool`). Not added when the application listens.
+  if (settings.pool !== null && settings.pool.listenerCount('error') === 0) {
+    settings.pool.on('error', (err) => { reportBackground(err, 'connection') })
+  }
 
   /** One background purge at a time; an error goes to onBackgroundError, and the next tick retries. */
   function purgeInBackground (): void {
@@ -97,7 +103,7 @@ export function postgresStore (options: PostgresStoreOptions): PostgresStore {
     purging = purge(Infinity).then(() => {}, (err: unknown) => { reportBackground(err, 'purge') }).finally(() => { purging = null })
   }
 
-  function reportBackground (err: unknown, task: 'purge' | 'outbox'): void {
+  function reportBackground (err: unknown, task: BackgroundTask): void {
     try {
       settings.onBackgroundError?.(err, task)
     } catch {
@@ -137,8 +143,8 @@ export function postgresStore (options: PostgresStoreOptions): PostgresStore {
   /**
    * A reconciler pass, then the outbox's leftovers, under a transaction-level advisory lock: the
    * lock ends with the transaction however the pass ends (a dead connection included), and nothing
-   * else runs in that transaction, so it holds no row lock and no snapshot. Not `sql.reserve()`:
-   * in postgres.js 3.4.9 it never resolves on a fresh connection of a client created with
+   * else runs in that transaction, so it holds no row lock and no snapshot. Not postgres.js's
+   * `sql.reserve()`: in 3.4.9 it never resolves on a fresh connection of a client created with
    * `fetch_types: false` (porsager/postgres#751), the setting the README recommends. The pass's
    * own statements use other connections of the pool, hence at least two.
    */
@@ -147,12 +153,11 @@ export function postgresStore (options: PostgresStoreOptions): PostgresStore {
     let ran = false
     // The lock's connection may drop while the pass runs: then no COMMIT (or ROLLBACK) is sent on
     // it, and this rejects with the connection's error (dropped-connection.ts).
-    await beginOnLiveConnection(settings.sql, async (tx, connection) => {
-      const [row] = await watched(connection, tx`SELECT pg_try_advisory_xact_lock(hashtextextended(${lock}, 0)) AS locked`)
-      if (row?.locked !== true) return
+    await db.transaction(async (tx) => {
+      const { rows } = await tx.query('SELECT pg_try_advisory_xact_lock(hashtextextended($1, 0))', [lock])
+      if (rows[0]?.[0] !== true) return
       ran = true
       await run()
-      if (connection.lost !== null) throw connection.lost
     })
     return ran
   }
@@ -252,9 +257,9 @@ export function postgresStore (options: PostgresStoreOptions): PostgresStore {
     reconcile: (options: ReconcileOptions): Promise<ReconcileReport> => reconcileWith(reconcileSource, options, 'postgresStore.reconcile'),
 
     startReconciler (options: ReconcilerOptions) {
-      const max = (settings.sql as { options?: { max?: unknown } }).options?.max
-      if (typeof max === 'number' && max < 2) {
-        throw new TypeError(`fastify-idempotency: startReconciler needs a postgres client with at least 2 connections (max: ${max}): one holds the lock while the pass runs on another`)
+      const max = db.maxConnections
+      if (max !== undefined && max < 2) {
+        throw new TypeError(`fastify-idempotency: startReconciler needs a ${db.library === 'pg' ? 'node-postgres pool' : 'postgres client'} with at least 2 connections (max: ${max}): one holds the lock while the pass runs on another`)
       }
       return startReconcilerWith(reconcileSource, options, 'postgresStore.startReconciler', {
         exclusive: exclusively,
@@ -274,7 +279,7 @@ export function postgresStore (options: PostgresStoreOptions): PostgresStore {
     deliverOutbox: async (limit = 100) => await requireOutbox().deliverDue(limit),
 
     async migrate (): Promise<void> {
-      await migrate(settings.sql, settings)
+      await migrateOn(db, settings)
     },
 
     // Waits for a background purge in flight, so nothing of the store's runs on the client after
@@ -289,10 +294,10 @@ export function postgresStore (options: PostgresStoreOptions): PostgresStore {
 }
 
 /**
- * Runs a statement again after a serialization failure or deadlock. Other errors (PostgresError,
- * a closed connection) propagate unchanged: the plugin turns them into a 503. Nothing here logs,
- * and postgres.js keeps the bound parameters (keys, bodies) off the error's enumerable properties
- * unless the client was created with `debug`.
+ * Runs a statement again after a serialization failure or deadlock. Other errors (a server
+ * error, a closed connection) propagate unchanged: the plugin turns them into a 503. Nothing here
+ * logs; neither client puts the bound parameters (keys, bodies) on its errors (postgres.js does
+ * with `debug`).
  */
 async function retrying<T> (statement: () => Promise<T>): Promise<T> {
   for (let attempt = 1; ; attempt++) {

@@ -1,0 +1,197 @@
+import { createHash } from 'node:crypto'
+import type { DatabaseClient, Queryable, Rows, TransactionConnection, Value } from './client.js'
+import { connectionState, type ConnectionState } from './dropped-connection.js'
+import { guardPoolClient } from './node-postgres-guard.js'
+import { nodePostgresTypes } from './node-postgres-types.js'
+
+/**
+ * The driver on a node-postgres (`pg`) Pool, such as `fastify.pg.pool` from @fastify/postgres.
+ * Typed structurally (pool.ts in this folder names no type of `pg`'s), so the driver's types load
+ * without @types/pg; the option's validation checks the shape at register time.
+ *
+ * - Every statement is a named prepared statement (the name is a hash of its fixed text), read
+ *   with `rowMode: 'array'` and the driver's own type parsers (node-postgres-types.ts).
+ * - A transaction holds one client from `pool.connect()` for its whole life, with an 'error'
+ *   listener on it: node-postgres emits a checked-out client's connection error as an 'error'
+ *   event, and an EventEmitter without a listener throws it, which kills the process (this is
+ *   the crash issue 15 is about, in node-postgres's form). The client goes back with
+ *   `release(err)` after a connection error, so the pool destroys it instead of reusing it.
+ */
+
+/** The parts of a node-postgres Pool the driver uses. */
+export interface NodePostgresPool {
+  connect (): Promise<NodePostgresPoolClient>
+  query (config: QueryConfig): Promise<QueryResult>
+  on (event: 'error', listener: (err: Error) => void): unknown
+  listenerCount (event: 'error'): number
+  readonly options?: { readonly max?: number }
+}
+
+/** The parts of a node-postgres PoolClient the driver uses. */
+export interface NodePostgresPoolClient {
+  query (config: QueryConfig | string): Promise<QueryResult>
+  release (err?: Error | boolean): void
+  on (event: 'error', listener: (err: Error) => void): unknown
+  removeListener (event: 'error', listener: (err: Error) => void): unknown
+}
+
+interface QueryConfig {
+  readonly name?: string
+  readonly text: string
+  readonly values?: readonly Value[]
+  readonly rowMode?: 'array'
+  readonly types?: typeof nodePostgresTypes
+}
+
+interface QueryResult {
+  readonly rows: unknown[]
+  readonly rowCount: number | null
+}
+
+/** The messages node-postgres (lib/client.js) fails a query with when its connection is gone. */
+const CONNECTION_MESSAGES = new Set([
+  'Connection terminated unexpectedly',
+  'Connection terminated',
+  'Client has encountered a connection error and is not queryable',
+  'Client was closed and is not queryable',
+  // query_timeout: the query may still be running on the connection, which is not reused.
+  'Query read timeout'
+])
+
+/**
+ * True for an error after which the connection is not to be used again: one of node-postgres's
+ * own (it has no codes), a socket's (a Node system error, with `syscall`), or a FATAL or PANIC
+ * the server sent before ending the session (57P01 from pg_terminate_backend).
+ */
+export function isNodePostgresConnectionError (err: unknown): boolean {
+  if (err === null || typeof err !== 'object') return false
+  const { message, syscall, severity } = err as { message?: unknown, syscall?: unknown, severity?: unknown }
+  if (severity === 'FATAL' || severity === 'PANIC') return true
+  return typeof syscall === 'string' || (typeof message === 'string' && CONNECTION_MESSAGES.has(message))
+}
+
+/** An error the server sent on a live session: node-postgres's DatabaseError has its SQLSTATE and severity. */
+function isServerError (err: unknown): boolean {
+  if (!(err instanceof Error)) return false
+  const { code, severity } = err as { code?: unknown, severity?: unknown }
+  return typeof code === 'string' && /^[0-9A-Z]{5}$/.test(code) && typeof severity === 'string'
+}
+
+const names = new Map<string, string>()
+
+/** A statement's name: the same text always gets the same one, and two texts never share one. */
+function statementName (text: string): string {
+  let name = names.get(text)
+  if (name === undefined) {
+    name = `fastify_idempotency_${createHash('sha256').update(text).digest('hex').slice(0, 32)}`
+    names.set(text, name)
+  }
+  return name
+}
+
+function prepared (text: string, values: readonly Value[]): QueryConfig {
+  return { name: statementName(text), text, values, rowMode: 'array', types: nodePostgresTypes }
+}
+
+const rowsOf = (result: QueryResult): Rows => ({ rows: result.rows as unknown[][], count: result.rowCount ?? 0 })
+
+export function nodePostgresClient (pool: NodePostgresPool): DatabaseClient {
+  const handles = new WeakMap<object, Queryable>()
+
+  function transactionConnection (client: NodePostgresPoolClient, connection: ConnectionState): TransactionConnection {
+    const watch = async (sent: Promise<QueryResult>): Promise<QueryResult> => {
+      try {
+        return await sent
+      } catch (err) {
+        if (isNodePostgresConnectionError(err)) connection.lose(err)
+        throw err
+      }
+    }
+    const live = (): void => { if (connection.lost !== null) throw connection.lost }
+    const queryable: Queryable = {
+      async query (text, values) {
+        live()
+        return rowsOf(await watch(client.query(prepared(text, values))))
+      }
+    }
+    return {
+      connection,
+      query: queryable.query,
+      // node-postgres sends one query at a time on a client (queueing more is deprecated outside
+      // its pipeline mode): three round trips, each only after the one before succeeded.
+      async around (before, statement, after) {
+        live()
+        await watch(client.query(before))
+        const result = await statement()
+        live()
+        await watch(client.query(after))
+        return result
+      },
+      guarded () {
+        const guard = guardPoolClient(client, connection, isNodePostgresConnectionError)
+        // What enqueue() writes through: the guarded client, so it too is refused once the transaction ended.
+        const handle = guard.handle as NodePostgresPoolClient
+        handles.set(guard.handle, { query: async (text, values) => rowsOf(await handle.query(prepared(text, values))) })
+        return guard
+      },
+      async simple (text) {
+        live()
+        await watch(client.query(text))
+      }
+    }
+  }
+
+  return {
+    library: 'pg',
+    get maxConnections () {
+      const max = pool.options?.max
+      return typeof max === 'number' ? max : undefined
+    },
+    async query (text, values) {
+      return rowsOf(await pool.query(prepared(text, values)))
+    },
+    identifier: (name) => `"${name.replaceAll('"', '""')}"`,
+    async transaction (body, hooks) {
+      const client = await pool.connect()
+      const connection = connectionState()
+      const onError = (err: Error): void => { connection.lose(err) }
+      client.on('error', onError)
+      const tx = transactionConnection(client, connection)
+      /** BEGIN was answered and COMMIT not yet sent: a ROLLBACK is due if anything fails. */
+      let open = false
+      /** The connection is in a state no one should reuse (a ROLLBACK that failed). */
+      let broken: Error | null = null
+      try {
+        await tx.simple('BEGIN')
+        open = true
+        const result = await body(tx)
+        if (connection.lost !== null) throw connection.lost
+        open = false
+        hooks?.commitSent?.()
+        await tx.simple('COMMIT')
+        return result
+      } catch (err) {
+        if (open && connection.lost === null) {
+          try {
+            await tx.simple('ROLLBACK')
+          } catch (rollbackError) {
+            broken = rollbackError as Error
+          }
+        }
+        // A lost connection explains the failure better than what it made the body throw.
+        throw connection.lost ?? err
+      } finally {
+        const destroy = connection.lost ?? broken
+        if (destroy === null) {
+          client.removeListener('error', onError)
+          client.release()
+        } else {
+          // The listener stays: a destroyed client may still report its socket's end.
+          client.release(destroy instanceof Error ? destroy : new Error('connection lost', { cause: destroy }))
+        }
+      }
+    },
+    connectionOf: (handle) => typeof handle === 'object' && handle !== null ? handles.get(handle) ?? null : null,
+    isServerError
+  }
+}
