@@ -5,6 +5,7 @@ import { createServer, connect, type AddressInfo, type Server, type Socket } fro
 import { fileURLToPath } from 'node:url'
 import { promisify } from 'node:util'
 import Fastify, { type FastifyInstance, type LightMyRequestResponse } from 'fastify'
+import pg from 'pg'
 import postgres from 'postgres'
 import t, { type Test } from 'tap'
 import idempotency, { InvalidOptionError, type IdempotencyOptions } from '../../lib/index.js'
@@ -13,6 +14,7 @@ import { migrate, postgresStore, type PostgresClient, type PostgresStore, type P
 import { runConformance } from '../../conformance/index.js'
 import { spawnFixture, type ChildApp } from '../helpers/child-app.js'
 import { lockWaitProbe } from '../helpers/lock-waits.js'
+import { CLIENT_NAME, clientUnderTest, endPools, poolLike, storeConnection } from '../helpers/postgres-clients.js'
 
 /**
  * The Postgres driver against a real server (DATABASE_URL; `node scripts/test.mjs` provisions a
@@ -88,11 +90,12 @@ function suite (url: string): void {
     // Bounded: in postgres.js 3.4.9, end() never resolves on its own once a connection died
     // mid-query (porsager/postgres#1097), which the pg_terminate_backend test does on purpose.
     await Promise.all(clients.map((c) => c.end({ timeout: 1 })))
+    await endPools()
   })
 
   /** A migrated store on its own table of the test schema. */
   async function storeOn (table: string, options: Partial<PostgresStoreOptions> = {}): Promise<PostgresStore> {
-    const store = postgresStore({ sql, schema, table, purgeInterval: 0, ...options })
+    const store = postgresStore({ ...storeConnection(sql), schema, table, purgeInterval: 0, ...options })
     await store.migrate()
     return store
   }
@@ -143,28 +146,33 @@ function suite (url: string): void {
       [{ sql, table: 5 }, /option "table".*received 5/],
       [{ sql, purgeInterval: -1 }, /option "purgeInterval" must be an integer from 0 to 2147483647; received -1/],
       [{ sql, purgeInterval: 1.5 }, /purgeInterval.*received 1\.5/],
-      [{ sql, purgeBatch: 0 }, /option "purgeBatch" must be an integer from 1.*received 0/]
+      [{ sql, purgeBatch: 0 }, /option "purgeBatch" must be an integer from 1.*received 0/],
+      [{ pool: {} }, /option "pool" must be a node-postgres Pool/],
+      [{ pool: sql }, /option "pool" must be a node-postgres Pool/],
+      [{ sql, pool: poolLike(sql) }, /either \{ sql \} \(postgres\.js\) or \{ pool \} \(node-postgres\), not both/],
+      [{ pool: new pg.Client({ connectionString: url }) }, /not a Client or PoolClient/]
     ]
     for (const [options, message] of bad) {
       t.throws(() => postgresStore(options as unknown as PostgresStoreOptions), message, JSON.stringify(Object.keys(options)))
       try { postgresStore(options as unknown as PostgresStoreOptions) } catch (err) { t.type(err, InvalidOptionError) }
     }
     await t.rejects(migrate(sql, { table: 'a.b' }), InvalidOptionError)
-    const store = postgresStore({ sql, schema, purgeInterval: 10 })
+    await t.rejects(migrate({} as never), /migrate: client must be a postgres \(porsager\) client.*or a node-postgres Pool/)
+    const store = postgresStore({ ...storeConnection(sql), schema, purgeInterval: 10 })
     await t.rejects(store.purgeExpired(-1), /non-negative integer/)
     await store.close()
     t.same([...await sql`SELECT 1 AS one`], [{ one: 1 }], 'close() leaves the client open')
   })
 
-  t.test('conformance', async (t) => {
+  t.test(`conformance (${CLIENT_NAME})`, async (t) => {
     runConformance({ test: (name, fn) => t.test(name, fn), makeStore: () => storeOn('conformance') })
   })
 
   t.test('migrate: creates the schema, runs twice and concurrently; schema.sql, applied statement by statement as its header says, yields the same tables', async (t) => {
     const [migrated, plain, concurrent, split] = extraSchemas as [string, string, string, string]
-    await migrate(sql, { schema: migrated })
-    await migrate(sql, { schema: migrated })
-    await Promise.all(Array.from({ length: 5 }, () => migrate(sql, { schema: concurrent, table: 'records' })))
+    await migrate(clientUnderTest(sql), { schema: migrated })
+    await migrate(clientUnderTest(sql), { schema: migrated })
+    await Promise.all(Array.from({ length: 5 }, () => migrate(clientUnderTest(sql), { schema: concurrent, table: 'records' })))
     t.pass('migrate ran twice, and five times at once')
 
     const file = fileURLToPath(new URL('../../drivers/postgres/schema.sql', import.meta.url))
@@ -226,21 +234,22 @@ function suite (url: string): void {
       t.equal((fromMigrate as { columns: unknown[] }).columns.length, table === 'idempotency_records' ? 14 : 11)
     }
 
-    const store = postgresStore({ sql, schema: split, purgeInterval: 0 })
+    const store = postgresStore({ ...storeConnection(sql), schema: split, purgeInterval: 0 })
     const claim = await store.claim({ scope: 's', key: 'k', fingerprint: A, leaseMs: LONG, ttlMs: LONG })
     t.equal(claim.outcome, 'acquired', 'the store works on the table schema.sql made')
     await store.close()
   })
 
   t.test('fresh-key claim and complete are one round trip each', async (t) => {
-    // A TCP proxy counts the client's writes: postgres.js sends Bind/Execute/Sync of a prepared
-    // statement in one write and waits for the answer, so one write per call is one round trip.
+    // A TCP proxy counts round trips: the client's turns to write, each after the server answered
+    // (postgres.js sends Bind/Execute/Sync in one write; node-postgres may send them as several).
     let writes = 0
+    let serverSpoke = true
     const target = new URL(url)
     const proxy: Server = createServer((socket: Socket) => {
       const upstream = connect(Number(target.port || 5432), target.hostname)
-      socket.on('data', (chunk) => { writes++; upstream.write(chunk) })
-      upstream.on('data', (chunk) => socket.write(chunk))
+      socket.on('data', (chunk) => { if (serverSpoke) writes++; serverSpoke = false; upstream.write(chunk) })
+      upstream.on('data', (chunk) => { serverSpoke = true; socket.write(chunk) })
       socket.on('close', () => upstream.destroy())
       upstream.on('close', () => socket.destroy())
       socket.on('error', () => upstream.destroy())
@@ -254,19 +263,22 @@ function suite (url: string): void {
     const through = postgres(proxied.toString(), { max: 1, onnotice: () => {} })
     t.teardown(() => through.end({ timeout: 1 }))
     await storeOn('roundtrip')
-    const store = postgresStore({ sql: through, schema, table: 'roundtrip', purgeInterval: 0 })
+    const store = postgresStore({ ...storeConnection(through), schema, table: 'roundtrip', purgeInterval: 0 })
     // Warm up: the first use of each statement on a connection also prepares it (Parse/Describe).
     const warm = await store.claim({ scope: 's', key: 'warm', fingerprint: A, leaseMs: LONG, ttlMs: LONG })
     if (warm.outcome === 'acquired') await store.complete(warm.lease, response('warm'), LONG)
 
     writes = 0
+    serverSpoke = true
     const claim = await store.claim({ scope: 's', key: `fresh-${randomUUID()}`, fingerprint: A, leaseMs: LONG, ttlMs: LONG })
     t.equal(writes, 1, 'claim of a fresh key: one round trip')
     if (claim.outcome !== 'acquired') return t.fail('not acquired')
     writes = 0
+    serverSpoke = true
     t.ok(await store.complete(claim.lease, response('done'), LONG))
     t.equal(writes, 1, 'complete: one round trip')
     writes = 0
+    serverSpoke = true
     t.equal((await store.claim({ scope: 's', key: claim.lease.key, fingerprint: A, leaseMs: LONG, ttlMs: LONG })).outcome, 'completed')
     t.equal(writes, 1, 'claim of a completed key (replay): one round trip')
     await store.close()
@@ -353,7 +365,7 @@ function suite (url: string): void {
   t.test('zombie fencing across two clients: a taken-over owner cannot complete, renew or release', async (t) => {
     const other = client('idem-zombie')
     const first = await storeOn('zombie')
-    const second = postgresStore({ sql: other, schema, table: 'zombie', purgeInterval: 0 })
+    const second = postgresStore({ ...storeConnection(other), schema, table: 'zombie', purgeInterval: 0 })
     t.teardown(async () => { await first.close(); await second.close() })
     const key = `zombie-${randomUUID()}`
     const zombie = await first.claim({ scope: 's', key, fingerprint: A, leaseMs: 50, ttlMs: LONG })
@@ -374,7 +386,7 @@ function suite (url: string): void {
   t.test('racing takeovers and reclaims: exactly one winner each', async (t) => {
     const store = await storeOn('races')
     const serializable = client('idem-serializable', { connection: { default_transaction_isolation: 'serializable' } })
-    const strict = postgresStore({ sql: serializable, schema, table: 'races', purgeInterval: 0 })
+    const strict = postgresStore({ ...storeConnection(serializable), schema, table: 'races', purgeInterval: 0 })
     t.teardown(async () => { await store.close(); await strict.close() })
     // Leases and records are made to lapse by moving their times in SQL, not by sleeping: a slow
     // machine must not turn a late claim of the batch into a legitimate takeover.
@@ -403,7 +415,7 @@ function suite (url: string): void {
     await storeOn('terminate')
     const victimName = `idem-victim-${id}`
     const victim = client('idem-victim', { max: 4 })
-    const store = postgresStore({ sql: victim, schema, table: 'terminate', purgeInterval: 0 })
+    const store = postgresStore({ ...storeConnection(victim), schema, table: 'terminate', purgeInterval: 0 })
     t.teardown(() => store.close())
     const terminate = async (): Promise<number> => {
       const killed = await sql`SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE application_name = ${victimName}`
@@ -563,7 +575,7 @@ function suite (url: string): void {
 
   t.test('the purge timer deletes expired records; close() stops it', async (t) => {
     await storeOn('timer')
-    const store = postgresStore({ sql, schema, table: 'timer', purgeInterval: 30, purgeBatch: 7 })
+    const store = postgresStore({ ...storeConnection(sql), schema, table: 'timer', purgeInterval: 30, purgeBatch: 7 })
     for (let i = 0; i < 20; i++) await store.claim({ scope: 's', key: `k${i}`, fingerprint: A, leaseMs: 20, ttlMs: 20 })
     const count = async (): Promise<number> => (await sql<Array<{ n: number }>>`SELECT count(*)::int AS n FROM ${sql(schema)}.timer`)[0]?.n ?? -1
     await until(t, 'the timer to purge', async () => await count() === 0, 3000)

@@ -90,3 +90,8 @@ export async function exec (handle: unknown, text: string, values: readonly unkn
   }
   throw new TypeError(`exec: not a transaction handle: ${String(handle)}`)
 }
+
+/** The client under test itself, for `migrate(client, …)`: the postgres.js client or its node-postgres Pool. */
+export function clientUnderTest (sql: Sql<any>): Sql<any> | pg.Pool {
+  return CLIENT === 'pg' ? poolLike(sql) : sql
+}
