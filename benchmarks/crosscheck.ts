@@ -1,6 +1,6 @@
 /**
  * The second, independent harness (issue 14): `npm run bench:crosscheck [-- --quick] [--rounds n]
- * [--duration s] [--only fresh,replay,storm] [--threads n] [--against results.json] [--out file]`.
+ * [--duration s] [--only fresh,replay,storm] [--threads n] [--pin] [--against results.json] [--out file]`.
  *
  * Reproduces run.ts's ratios (benchmarks/ratios.ts) with another load generator and other driving
  * code: wrk (C, epoll, 2 threads; benchmarks/crosscheck.lua makes each request's key), against the
@@ -31,6 +31,7 @@ import postgres from 'postgres'
 import { median, RATIOS, ratioName, setupsOf, type RatioPair } from './ratios.js'
 import { BODY } from './route.js'
 import { benchServices } from './services.js'
+import { pinning } from './pinning.js'
 import { createBenchSchema, describeDatabase, truncateBenchSchema } from './schema.js'
 
 const ROOT = fileURLToPath(new URL('..', import.meta.url))
@@ -45,6 +46,7 @@ const { values: args } = parseArgs({
     against: { type: 'string' },
     only: { type: 'string' },
     threads: { type: 'string' },
+    pin: { type: 'boolean', default: false },
     out: { type: 'string' }
   }
 })
@@ -89,6 +91,9 @@ interface Measurement {
 
 const children = new Set<ChildProcess>()
 const services = await benchServices(() => { for (const child of children) child.kill('SIGKILL') })
+/** --pin (benchmarks/pinning.ts): wrk on its own CPU, as run.ts's autocannon. */
+const PIN = pinning(args.pin === true)
+PIN.moveServices()
 const DATABASE_URL = services.databaseUrl
 const REDIS_URL = services.redisUrl
 const SCHEMA = `cross_${randomBytes(4).toString('hex')}`
@@ -96,7 +101,8 @@ const admin = postgres(DATABASE_URL, { max: 1, onnotice: () => {} })
 
 /** A benchmark server (server.ts) for `setup`; resolves once it listens, with its URL and a stop. */
 function serve (setup: string): Promise<{ url: string, stop: () => Promise<void> }> {
-  const child = spawn(process.execPath, ['--import', 'tsx', path.join(ROOT, 'benchmarks', 'server.ts')], {
+  const [command, argv] = PIN.measured(process.execPath, ['--import', 'tsx', path.join(ROOT, 'benchmarks', 'server.ts')])
+  const child = spawn(command, argv, {
     cwd: ROOT,
     env: { ...process.env, SETUP: setup, DATABASE_URL, REDIS_URL, BENCH_SCHEMA: SCHEMA, BENCH_POOL_MAX: '10', BENCH_PAYLOAD: '200' },
     stdio: ['ignore', 'pipe', 'inherit']
@@ -123,7 +129,8 @@ let wrkRuns = 0
 /** One wrk run: its summary line (crosscheck.lua's done()). */
 function runWrk (url: string, mode: Mode, tag: string, seconds: number, connections: number): Promise<Omit<Measurement, 'round' | 'scenario' | 'setup' | 'executions' | 'problems'>> {
   return new Promise((resolve, reject) => {
-    const child = spawn(WRK, ['-t', String(THREADS), '-c', String(connections), '-d', `${seconds}s`, '--timeout', '10s', '-s', LUA, `${url}/pay`], {
+    const [command, argv] = PIN.generator(WRK, ['-t', String(THREADS), '-c', String(connections), '-d', `${seconds}s`, '--timeout', '10s', '-s', LUA, `${url}/pay`])
+    const child = spawn(command, argv, {
       env: { ...process.env, CROSSCHECK_MODE: mode, CROSSCHECK_TAG: tag, CROSSCHECK_RUN: String(wrkRuns++), CROSSCHECK_KEYS: String(mode === 'storm' ? STORM.keys : REPLAY_KEYS), CROSSCHECK_BODY: BODY },
       stdio: ['ignore', 'pipe', 'inherit']
     })
@@ -322,7 +329,7 @@ try {
     elapsedSeconds: Math.round((Date.now() - startedAt.getTime()) / 1000),
     machine: { cpuModel: os.cpus()[0]?.model ?? 'unknown', cores: os.cpus().length, loadAverageAtStart: os.loadavg() },
     versions: { node: process.version, wrk: wrkVersion, postgresServer: database.server_version },
-    config: { rounds: ROUNDS, seconds: SECONDS, warmupSeconds: WARMUP_SECONDS, threads: THREADS, connections: CONNECTIONS, storm: STORM, replayKeys: REPLAY_KEYS, tolerance: TOLERANCE },
+    config: { rounds: ROUNDS, seconds: SECONDS, warmupSeconds: WARMUP_SECONDS, threads: THREADS, connections: CONNECTIONS, storm: STORM, replayKeys: REPLAY_KEYS, tolerance: TOLERANCE, pinning: PIN.description },
     reference: reference === null ? null : { path: path.relative(ROOT, reference.path), date: reference.date, quick: reference.quick },
     ratios,
     comparison,

@@ -1,6 +1,6 @@
 /**
  * The benchmark (issues 3, 5, 14): `node --import tsx benchmarks/run.ts [--quick] [--out file]
- * [--only scenario,…] [--setups setup,…]`.
+ * [--only scenario,…] [--setups setup,…] [--pin]`. --pin: see benchmarks/pinning.ts.
  *
  * Starts a throwaway PostgreSQL and Redis (scripts/services.mjs) unless DATABASE_URL and REDIS_URL
  * are set, creates a fresh schema (benchmarks/schema.ts), and measures each scenario with its setups
@@ -38,6 +38,7 @@ import { chart } from './chart.js'
 import { RATIOS, ratioName } from './ratios.js'
 import { BODY } from './route.js'
 import { benchServices } from './services.js'
+import { cpuMsSince, pinning } from './pinning.js'
 import { createBenchSchema, describeDatabase, truncateBenchSchema } from './schema.js'
 import { addRatios, SETUPS, summarise, table, type Counts, type Latency, type PerRequest, type Run, type Setup, type Summary } from './summary.js'
 import { evaluateTargets, targetsTable } from './targets.js'
@@ -50,7 +51,8 @@ const { values: args } = parseArgs({
     quick: { type: 'boolean', default: false },
     out: { type: 'string' },
     only: { type: 'string' },
-    setups: { type: 'string' }
+    setups: { type: 'string' },
+    pin: { type: 'boolean', default: false }
   }
 })
 const QUICK = args.quick === true
@@ -261,6 +263,9 @@ const SCENARIOS = ALL_SCENARIOS
 
 let server: ChildProcess | null = null
 const services = await benchServices(() => { server?.kill('SIGKILL') })
+/** --pin (benchmarks/pinning.ts): autocannon, in this process, on its own CPU. */
+const PIN = pinning(args.pin === true)
+PIN.moveServices()
 const DATABASE_URL = services.databaseUrl
 const REDIS_URL = services.redisUrl
 const SCHEMA = `bench_${randomBytes(4).toString('hex')}`
@@ -271,7 +276,8 @@ const admin = postgres(DATABASE_URL, { max: 2, onnotice: () => {} })
 interface Instance { setup: Setup, url: string, pid: number, stop: () => Promise<void> }
 
 async function startServer (setup: Setup, payload: number): Promise<Instance> {
-  const child = spawn(process.execPath, ['--import', 'tsx', SERVER], {
+  const [command, argv] = PIN.measured(process.execPath, ['--import', 'tsx', SERVER])
+  const child = spawn(command, argv, {
     cwd: ROOT,
     env: { ...process.env, SETUP: setup, DATABASE_URL, REDIS_URL, BENCH_SCHEMA: SCHEMA, BENCH_POOL_MAX: String(CONFIG.poolMax), BENCH_PAYLOAD: String(payload) },
     stdio: ['ignore', 'pipe', 'inherit']
@@ -396,7 +402,9 @@ async function measure (scenario: Scenario, instance: Instance, round: number): 
   // The measured window opens on a quiet server: nothing the warm-up started is counted in it.
   const before = await settled(url)
   await resetLatency(url)
+  const generatorStart = process.cpuUsage()
   const result = await load(url, requests, scenario.timing.durationSeconds, scenario.connections)
+  const generatorCpuMs = cpuMsSince(generatorStart)
   const after = await stats(url)
   const run: Run = {
     scenario: scenario.name,
@@ -405,6 +413,8 @@ async function measure (scenario: Scenario, instance: Instance, round: number): 
     requestsPerSecond: Math.round(result.requests.total / result.duration),
     requests: result.requests.total,
     durationSeconds: result.duration,
+    // Near 1 (a whole CPU), autocannon itself is what bounds the request rate.
+    generatorCpuShare: Math.round(generatorCpuMs / (result.duration * 1000) * 100) / 100,
     connections: scenario.connections,
     latencyUs: after.latencyUs,
     latencyRatioToBare: null,
@@ -553,7 +563,8 @@ try {
       cores: cpus.length,
       memoryGiB: Math.round(os.totalmem() / 2 ** 30 * 10) / 10,
       platform: `${os.platform()} ${os.release()}`,
-      loadAverageAtStart
+      loadAverageAtStart,
+      pinning: PIN.description
     },
     versions: {
       node: process.version,

@@ -26,6 +26,8 @@ export interface Run {
   requestsPerSecond: number
   requests: number
   durationSeconds: number
+  /** CPU time autocannon's process used over the load's duration (1 = one whole CPU): near 1, the generator bounds the rate. */
+  generatorCpuShare: number
   connections: number
   /** The server's own latency of POST /pay (onRequest to onResponse), µs: what overhead adds. */
   latencyUs: Latency
