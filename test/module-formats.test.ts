@@ -94,3 +94,33 @@ runConformance({ test, makeStore: () => ${store} })
   t.not(broken.code, 0, 'a store that loses completions fails the suite')
   t.notMatch(broken.out, /^# fail 0$/m)
 })
+
+t.test('the postgres entry point loads with neither client installed, and its types need nothing of node-postgres (pg and postgres are optional peers)', async (t) => {
+  const loading = consumerProject(t, {
+    'package.json': '{ "type": "module" }',
+    'load.mjs': `const entry = await import('fastify-idempotency/postgres')
+let refused = ''
+try { entry.postgresStore({}) } catch (err) { refused = err.message }
+console.log(JSON.stringify({ exports: Object.keys(entry).sort(), refused }))
+`
+  }, ['pg', 'postgres', '@types/pg'])
+  const loaded = await run(process.execPath, ['load.mjs'], loading)
+  t.equal(loaded.code, 0, loaded.out)
+  const line = JSON.parse(loaded.out.split('\n').find((l) => l.startsWith('{')) ?? '{}') as { exports?: string[], refused?: string }
+  t.same(line.exports, ['migrate', 'postgresStore'], 'the entry point loads without either client')
+  t.match(line.refused, /option "sql" or "pool" must be a postgres \(porsager\) client as \{ sql \}, or a node-postgres Pool as \{ pool \}/, 'and says what it needs')
+
+  // A postgres.js application without pg or @types/pg, with skipLibCheck off: the driver's
+  // declarations must not name node-postgres's types (they describe the Pool structurally).
+  const typing = consumerProject(t, {
+    'package.json': '{ "type": "module" }',
+    'app.ts': `import postgres from 'postgres'
+import { postgresStore, type AtomicTransaction } from 'fastify-idempotency/postgres'
+export const store = postgresStore({ sql: postgres('postgres://localhost/app') })
+export async function write (tx: AtomicTransaction): Promise<void> { await tx\`select 1\` }
+`,
+    'tsconfig.json': tsconfig({ module: 'node16', moduleResolution: 'node16', skipLibCheck: false }, ['app.ts'])
+  }, ['pg', '@types/pg'])
+  const checked = await tsc(typing)
+  t.equal(checked.code, 0, checked.out)
+})

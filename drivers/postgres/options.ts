@@ -95,6 +95,9 @@ export function resolveStoreOptions (options: PostgresStoreOptions): ResolvedSto
   if (options === null || typeof options !== 'object') {
     throw new InvalidOptionError('postgresStore options', 'an object with at least { sql } (postgres.js) or { pool } (node-postgres)', options)
   }
+  if (options.sql === undefined && options.pool === undefined) {
+    throw new InvalidOptionError('postgresStore option "sql" or "pool"', 'a postgres (porsager) client as { sql }, or a node-postgres Pool as { pool }', undefined)
+  }
   const pool = options.pool === undefined ? null : resolvePool('postgresStore option "pool"', options.pool)
   if (pool !== null && options.sql !== undefined) {
     throw new InvalidOptionError('postgresStore options', 'either { sql } (postgres.js) or { pool } (node-postgres), not both', Object.keys(options))

@@ -138,7 +138,7 @@ function suite (url: string): void {
 
   t.test('options are validated once, naming the option and the value', async (t) => {
     const bad: Array<[Record<string, unknown>, RegExp]> = [
-      [{}, /option "sql" must be a postgres \(porsager\) client.*received undefined/],
+      [{}, /option "sql" or "pool" must be a postgres \(porsager\) client as \{ sql \}, or a node-postgres Pool as \{ pool \}; received undefined/],
       [{ sql: {} }, /option "sql"/],
       [{ sql, schema: '' }, /option "schema" must be a non-empty identifier.*received ''/],
       [{ sql, schema: 'a.b' }, /option "schema".*without dots.*received 'a\.b'/],

@@ -9,7 +9,8 @@ import { ROOT } from './markdown.js'
  * A throwaway project outside the repository that has the package installed as a user has it: its
  * node_modules links every dependency of the repository, and `fastify-idempotency` links the
  * repository itself, so imports go through package.json's `exports` to the built dist/. Packages
- * named in `without` are left out (to show the package runs without them).
+ * named in `without` are left out (to show the package runs without them); a scoped name
+ * (`@types/pg`) leaves out that one package of its scope.
  */
 export function consumerProject (t: Test, files: Record<string, string>, without: readonly string[] = []): string {
   const dir = mkdtempSync(path.join(os.tmpdir(), 'fastify-idempotency-consumer-'))
@@ -18,6 +19,15 @@ export function consumerProject (t: Test, files: Record<string, string>, without
   mkdirSync(modules)
   for (const name of readdirSync(path.join(ROOT, 'node_modules'))) {
     if (name.startsWith('.') || without.includes(name)) continue
+    if (name.startsWith('@') && without.some((left) => left.startsWith(`${name}/`))) {
+      // A scope with some of its packages left out (e.g. @types/pg): link the others one by one.
+      mkdirSync(path.join(modules, name))
+      for (const member of readdirSync(path.join(ROOT, 'node_modules', name))) {
+        if (without.includes(`${name}/${member}`)) continue
+        symlinkSync(path.join(ROOT, 'node_modules', name, member), path.join(modules, name, member), 'dir')
+      }
+      continue
+    }
     symlinkSync(path.join(ROOT, 'node_modules', name), path.join(modules, name), 'dir')
   }
   symlinkSync(ROOT, path.join(modules, 'fastify-idempotency'), 'dir')
