@@ -44,6 +44,11 @@ export interface TransactionConnection extends Queryable {
   simple (text: string): Promise<void>
 }
 
+export interface TransactionHooks {
+  readonly commitSent?: () => void
+  readonly prelude?: string
+}
+
 export interface DatabaseClient extends Queryable {
   /** Which client library this is, for messages. */
   readonly library: 'postgres' | 'pg'
@@ -55,8 +60,11 @@ export interface DatabaseClient extends Queryable {
    * BEGIN, `body`, then COMMIT if it resolved or ROLLBACK if it threw. Once the connection is
    * lost (dropped-connection.ts) nothing more is sent on it, ROLLBACK and COMMIT included; the
    * promise then rejects with the connection's error. `commitSent` is called just before COMMIT.
+   * `prelude` (no parameters) is sent right after BEGIN, in the same round trip where the client
+   * does not pipeline (node-postgres: one simple query `BEGIN; prelude`); a first
+   * `around(prelude, …)` then does not send it again.
    */
-  transaction<T> (body: (tx: TransactionConnection) => Promise<T>, hooks?: { readonly commitSent?: () => void }): Promise<T>
+  transaction<T> (body: (tx: TransactionConnection) => Promise<T>, hooks?: TransactionHooks): Promise<T>
   /** The connection behind a handle from `guarded()`, or null for anything else. */
   connectionOf (handle: unknown): Queryable | null
   /** True for an error the server sent on a live session (it rolled the statement back). */

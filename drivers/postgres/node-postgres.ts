@@ -1,5 +1,5 @@
 import { createHash } from 'node:crypto'
-import type { DatabaseClient, Queryable, Rows, TransactionConnection, Value } from './client.js'
+import type { DatabaseClient, Queryable, Rows, TransactionConnection, TransactionHooks, Value } from './client.js'
 import { connectionState, type ConnectionState } from './dropped-connection.js'
 import { guardPoolClient } from './node-postgres-guard.js'
 import { nodePostgresTypes } from './node-postgres-types.js'
@@ -98,7 +98,9 @@ const rowsOf = (result: QueryResult): Rows => ({ rows: result.rows as unknown[][
 export function nodePostgresClient (pool: NodePostgresPool): DatabaseClient {
   const handles = new WeakMap<object, Queryable>()
 
-  function transactionConnection (client: NodePostgresPoolClient, connection: ConnectionState): TransactionConnection {
+  /** `prelude`: what was sent with BEGIN (hooks.prelude), still to be skipped by a first around(). */
+  function transactionConnection (client: NodePostgresPoolClient, connection: ConnectionState, prelude: string | null): TransactionConnection {
+    let sentWithBegin = prelude
     const watch = async (sent: Promise<QueryResult>): Promise<QueryResult> => {
       try {
         return await sent
@@ -118,10 +120,15 @@ export function nodePostgresClient (pool: NodePostgresPool): DatabaseClient {
       connection,
       query: queryable.query,
       // node-postgres sends one query at a time on a client (queueing more is deprecated outside
-      // its pipeline mode): three round trips, each only after the one before succeeded.
+      // its pipeline mode): each statement only after the one before succeeded. `before` went
+      // with BEGIN when it was the transaction's prelude: two round trips then, not three.
       async around (before, statement, after) {
         live()
-        await watch(client.query(before))
+        if (before === sentWithBegin) {
+          sentWithBegin = null
+        } else {
+          await watch(client.query(before))
+        }
         const result = await statement()
         live()
         await watch(client.query(after))
@@ -151,18 +158,20 @@ export function nodePostgresClient (pool: NodePostgresPool): DatabaseClient {
       return rowsOf(await pool.query(prepared(text, values)))
     },
     identifier: (name) => `"${name.replaceAll('"', '""')}"`,
-    async transaction (body, hooks) {
+    async transaction (body, hooks?: TransactionHooks) {
       const client = await pool.connect()
       const connection = connectionState()
       const onError = (err: Error): void => { connection.lose(err) }
       client.on('error', onError)
-      const tx = transactionConnection(client, connection)
+      const prelude = hooks?.prelude ?? null
+      const tx = transactionConnection(client, connection, prelude)
       /** BEGIN was answered and COMMIT not yet sent: a ROLLBACK is due if anything fails. */
       let open = false
       /** The connection is in a state no one should reuse (a ROLLBACK that failed). */
       let broken: Error | null = null
       try {
-        await tx.simple('BEGIN')
+        // One round trip for BEGIN and what must follow it (atomic mode: the claim's lock timeout).
+        await tx.simple(prelude === null ? 'BEGIN' : `BEGIN; ${prelude}`)
         open = true
         const result = await body(tx)
         if (connection.lost !== null) throw connection.lost

@@ -53,6 +53,8 @@ export function createTransactions (db: DatabaseClient, table: string): Transact
   function claimInTransaction (request: ClaimRequest & { readonly waitMs: number }): Promise<ClaimResult> {
     const token = randomUUID()
     return new Promise<ClaimResult>((resolveClaim, rejectClaim) => {
+      // Thrown here, an invalid waitMs rejects the claim.
+      const setLockTimeout = lockTimeoutStatement(request.waitMs)
       let acquired = false
       /** The body returned with a recorded response: the client sends COMMIT from here on. */
       let commitSent = false
@@ -63,7 +65,7 @@ export function createTransactions (db: DatabaseClient, table: string): Transact
       // On a dropped connection nothing more is sent, not even the ROLLBACK (dropped-connection.ts).
       const finished = db.transaction(async (tx) => {
         const statements = createStatements(tx, table)
-        const outcome = await claimWithin(tx, statements, request, token)
+        const outcome = await claimWithin(tx, statements, request, token, setLockTimeout)
         if (outcome.outcome !== 'acquired') {
           resolveClaim(outcome)
           throw ROLLBACK
@@ -82,7 +84,7 @@ export function createTransactions (db: DatabaseClient, table: string): Transact
           throw new RolledBackError('the transaction could not record its response, so it was rolled back', { cause: err })
         }
         if (!recorded) throw new RolledBackError('the transaction no longer held its record, so it was rolled back')
-      }, { commitSent: () => { commitSent = true } })
+      }, { commitSent: () => { commitSent = true }, prelude: setLockTimeout })
 
       open.set(token, {
         decide (decision) {
@@ -156,11 +158,11 @@ async function claimWithin (
   tx: TransactionConnection,
   statements: Statements,
   request: ClaimRequest & { readonly waitMs: number },
-  token: string
+  token: string,
+  setLockTimeout: string
 ): Promise<ClaimResult> {
   const args = { ...request, token }
   const lease = { scope: request.scope, key: request.key, token }
-  const setLockTimeout = lockTimeoutStatement(request.waitMs)
   // Checked before each round trip: a connection that closed between two is not written to.
   const live = (): void => { if (tx.connection.lost !== null) throw tx.connection.lost }
   for (let round = 0; round < MAX_CLAIM_ROUNDS; round++) {
