@@ -2,7 +2,8 @@
 //   1. start throwaway PostgreSQL / Redis / Redis Cluster (scripts/services.mjs),
 //      unless DATABASE_URL / REDIS_URL / REDIS_CLUSTER_NODES are already set;
 //   2. type-check (tsc --noEmit -p .) and build the package (dist/, which the docs and
-//      package tests consume as a user's project would);
+//      package tests consume as a user's project would); install test/orm/'s own
+//      dependencies (drizzle-orm, for the ORM recipes) when they are missing or stale;
 //   3. run tap with the services' env; extra args go to tap
 //      (`npm test -- test/replay.test.ts` runs one file);
 //   4. stop the services and print `N passed, N failed[, N skipped]` as the last line.
@@ -136,10 +137,10 @@ process.on('unhandledRejection', (err) => {
 process.on('exit', () => { killTap(); stopServices() })
 
 /** Run a command, collecting its combined output. */
-function capture (cmd, args) {
+function capture (cmd, args, cwd = undefined) {
   return new Promise((resolve) => {
     let out = ''
-    const child = spawn(cmd, args, { stdio: ['ignore', 'pipe', 'pipe'] })
+    const child = spawn(cmd, args, { cwd, stdio: ['ignore', 'pipe', 'pipe'] })
     child.stdout.on('data', (d) => { out += d })
     child.stderr.on('data', (d) => { out += d })
     child.on('error', (err) => resolve({ code: 1, out: out + String(err.message) }))
@@ -172,6 +173,31 @@ async function build () {
   rmSync('dist', { recursive: true, force: true })
   const r = await capture(process.execPath, [tsc, '-p', 'tsconfig.build.json'])
   if (r.code === 0) process.stderr.write(`[test] build passed (${((Date.now() - t0) / 1000).toFixed(1)} s)\n`)
+  return r
+}
+
+/**
+ * test/orm/ is a project of its own, holding drizzle-orm for the ORM recipe tests: drizzle's optional
+ * peers (react-native, through op-sqlite) conflict with tap's react 18, so as a root devDependency
+ * `npm install` fails with ERESOLVE, and --legacy-peer-deps at the root would break `npm ci`. Its
+ * `npm ci` (legacy-peer-deps, from its .npmrc) runs quietly, and only when a package its lockfile
+ * names is missing or at another version.
+ */
+async function ormDependencies () {
+  const dir = path.join('test', 'orm')
+  let lock
+  try { lock = JSON.parse(readFileSync(path.join(dir, 'package-lock.json'), 'utf8')) } catch (err) {
+    return { code: 1, out: `cannot read test/orm/package-lock.json: ${err.message}` }
+  }
+  const stale = Object.entries(lock.packages ?? {}).filter(([where]) => where.startsWith('node_modules/')).some(([where, meta]) => {
+    try { return JSON.parse(readFileSync(path.join(dir, where, 'package.json'), 'utf8')).version !== meta.version } catch { return true }
+  })
+  if (!stale) return { code: 0, out: '' }
+  const t0 = Date.now()
+  // The npm running `npm test`, else the one on PATH.
+  const [cmd, pre] = process.env.npm_execpath ? [process.execPath, [process.env.npm_execpath]] : ['npm', []]
+  const r = await capture(cmd, [...pre, 'ci', '--no-audit', '--no-fund', '--loglevel=error'], dir)
+  if (r.code === 0) process.stderr.write(`[test] npm ci in test/orm passed (${((Date.now() - t0) / 1000).toFixed(1)} s)\n`)
   return r
 }
 
@@ -216,7 +242,7 @@ function runTap (env) {
 }
 
 async function main () {
-  const [svc, tc, bd] = await Promise.allSettled([startServices(), typecheck(), build()])
+  const [svc, tc, bd, orm] = await Promise.allSettled([startServices(), typecheck(), build(), ormDependencies()])
   if (svc.status === 'fulfilled') services = svc.value
   if (svc.status === 'rejected') {
     process.stderr.write(`[test] could not start the test services:\n${svc.reason?.message ?? svc.reason}\n`)
@@ -232,6 +258,12 @@ async function main () {
     const out = bd.status === 'rejected' ? String(bd.reason) : bd.value.out
     process.stdout.write(out.endsWith('\n') || !out ? out : out + '\n')
     process.stderr.write('[test] build failed (tsc -p tsconfig.build.json), not running the tests\n')
+    return finish(1, null)
+  }
+  if (orm.status === 'rejected' || orm.value.code !== 0) {
+    const out = orm.status === 'rejected' ? String(orm.reason) : orm.value.out
+    process.stdout.write(out.endsWith('\n') || !out ? out : out + '\n')
+    process.stderr.write('[test] npm ci in test/orm failed (drizzle-orm, for the ORM recipe tests), not running the tests\n')
     return finish(1, null)
   }
   const code = await runTap({ ...process.env, ...services.env, IDEM_TEST_RUNNER: '1' })

@@ -1,8 +1,10 @@
 import { spawn } from 'node:child_process'
+import { randomBytes } from 'node:crypto'
 import { existsSync, readFileSync } from 'node:fs'
 import path from 'node:path'
 import Fastify from 'fastify'
-import t from 'tap'
+import postgres from 'postgres'
+import t, { type Test } from 'tap'
 import idempotency from '../lib/index.js'
 import { consumerProject, tsc, tsconfig } from './helpers/consumer.js'
 import { anchors, codeBlocks, links, markdownPages, REPOSITORY, ROOT, type CodeBlock } from './helpers/markdown.js'
@@ -18,38 +20,53 @@ const blocks = markdownPages().flatMap(codeBlocks).filter((b) => TS.has(b.lang))
 const fileOf = (block: CodeBlock, index: number): string =>
   `${block.page.replace(/\.md$/, '').replace(/\//g, '-')}-${String(index).padStart(2, '0')}.ts`
 
+/** drizzle-orm, which the ORM recipes of docs/drivers.md import: installed there by scripts/test.mjs (it cannot be a root devDependency). */
+const ORM_MODULES = path.join(ROOT, 'test', 'orm', 'node_modules')
+
+/**
+ * A block that declares `AtomicTransactionTypes` (an app on node-postgres: `request.idempotency.sql`
+ * is a PoolClient) changes that type for every file of its program, since a module augmentation is
+ * global; so those blocks compile in a program of their own, and the others against the default
+ * (postgres.js's TransactionSql), as two separate apps would.
+ */
+const declaresClient = (block: CodeBlock): boolean => /\binterface AtomicTransactionTypes\b/.test(block.code)
+
 t.test('every TypeScript block of README.md and docs/ type-checks against the built package, each as its own file', async (t) => {
   const checked = blocks.filter((b) => !b.fragment)
   t.ok(checked.length >= 15, `${checked.length} blocks are checked`)
   t.ok(blocks.length - checked.length <= 3, `few blocks are marked <!-- fragment --> (${blocks.length - checked.length})`)
-  const files: Record<string, string> = {}
-  const origin = new Map<string, CodeBlock>()
-  checked.forEach((block, i) => {
-    const name = fileOf(block, i)
-    files[name] = `${block.code}\nexport {}\n` // a module: its declarations are its own, top-level await works
-    origin.set(name, block)
-  })
-  files['tsconfig.json'] = tsconfig({ module: 'nodenext', moduleResolution: 'nodenext' }, ['*.ts'])
-  files['package.json'] = '{ "type": "module" }' // an ESM app, as the examples are written
-  const dir = consumerProject(t, files)
-  const result = await tsc(dir) // one compiler run for all blocks
-  const errors = result.out.split('\n').filter((line) => /error TS\d+/.test(line)).map((line) => {
-    const m = /^([^(]+)\((\d+),(\d+)\): (.*)$/.exec(line)
-    const block = m === null ? undefined : origin.get(m[1] ?? '')
-    return block === undefined || m === null ? line : `${block.page}:${block.line + Number(m[2]) - 1}: ${m[4] ?? ''}`
-  })
-  t.same(errors, [], 'no type errors')
-  t.equal(result.code, 0, result.out.slice(0, 2000))
+  t.ok(existsSync(path.join(ORM_MODULES, 'drizzle-orm')), 'test/orm/node_modules holds drizzle-orm (scripts/test.mjs runs npm ci there)')
+  const programs = [checked.filter((b) => !declaresClient(b)), checked.filter(declaresClient)]
+  t.ok((programs[1]?.length ?? 0) >= 3, `${programs[1]?.length} blocks are apps on node-postgres (AtomicTransactionTypes declared)`)
+  await Promise.all(programs.map(async (group) => {
+    const files: Record<string, string> = {}
+    const origin = new Map<string, CodeBlock>()
+    group.forEach((block) => {
+      const name = fileOf(block, checked.indexOf(block))
+      files[name] = `${block.code}\nexport {}\n` // a module: its declarations are its own, top-level await works
+      origin.set(name, block)
+    })
+    files['tsconfig.json'] = tsconfig({ module: 'nodenext', moduleResolution: 'nodenext' }, ['*.ts'])
+    files['package.json'] = '{ "type": "module" }' // an ESM app, as the examples are written
+    const dir = consumerProject(t, files, [], [ORM_MODULES])
+    const result = await tsc(dir) // one compiler run for all blocks of the program
+    const errors = result.out.split('\n').filter((line) => /error TS\d+/.test(line)).map((line) => {
+      const m = /^([^(]+)\((\d+),(\d+)\): (.*)$/.exec(line)
+      const block = m === null ? undefined : origin.get(m[1] ?? '')
+      return block === undefined || m === null ? line : `${block.page}:${block.line + Number(m[2]) - 1}: ${m[4] ?? ''}`
+    })
+    t.same(errors, [], 'no type errors')
+    t.equal(result.code, 0, result.out.slice(0, 2000))
+  }))
 })
 
-t.test('the quick start runs as written: authenticated, scoped, replayed', async (t) => {
-  const block = blocks.find((b) => b.page === 'README.md' && b.section === 'Quick start')
-  if (block === undefined) return t.fail('README.md has a ```ts block under ## Quick start')
+/** Runs a README block as an app (`npx tsx app.ts` in a project that installed the package); resolves to the URL it prints. */
+async function runApp (t: Test, block: CodeBlock, env: NodeJS.ProcessEnv = {}): Promise<string> {
   const dir = consumerProject(t, { 'app.ts': block.code, 'package.json': '{ "type": "module" }' })
-  const child = spawn(process.execPath, ['--import', 'tsx', 'app.ts'], { cwd: dir, env: { ...process.env, PORT: '0' }, stdio: ['ignore', 'pipe', 'pipe'] })
+  const child = spawn(process.execPath, ['--import', 'tsx', 'app.ts'], { cwd: dir, env: { ...process.env, PORT: '0', ...env }, stdio: ['ignore', 'pipe', 'pipe'] })
   t.teardown(() => { child.kill() })
   let output = ''
-  const url = await new Promise<string>((resolve, reject) => {
+  return await new Promise<string>((resolve, reject) => {
     const timer = setTimeout(() => reject(new Error(`no "listening on" within 30 s: ${output}`)), 30_000)
     const seen = (chunk: Buffer): void => {
       output += chunk.toString()
@@ -60,6 +77,12 @@ t.test('the quick start runs as written: authenticated, scoped, replayed', async
     child.stderr.on('data', seen)
     child.on('exit', (code) => { clearTimeout(timer); reject(new Error(`exited (${code}) before listening: ${output}`)) })
   })
+}
+
+t.test('the quick start runs as written: authenticated, scoped, replayed', async (t) => {
+  const block = blocks.find((b) => b.page === 'README.md' && b.section === 'Quick start')
+  if (block === undefined) return t.fail('README.md has a ```ts block under ## Quick start')
+  const url = await runApp(t, block)
   const pay = (token: string | null, key: string | null): Promise<Response> => fetch(`${url}/payments`, {
     method: 'POST',
     headers: {
@@ -85,6 +108,55 @@ t.test('the quick start runs as written: authenticated, scoped, replayed', async
   t.match(await bob.json(), { id: 'ch_2' })
   t.equal((await pay('token-alice', null)).status, 400, 'required: true refuses a POST without a key')
   t.equal((await pay(null, key)).status, 401, 'the auth hook answers first')
+})
+
+t.test('the @fastify/postgres example runs as written: atomic mode on fastify.pg.pool, one payment per key, a failed insert rolled back', async (t) => {
+  const databaseUrl = process.env.DATABASE_URL
+  if (databaseUrl === undefined || databaseUrl === '') return t.fail('DATABASE_URL is not set: run it through scripts/test.mjs')
+  const block = blocks.find((b) => b.page === 'README.md' && b.section === 'PostgreSQL: postgres.js or node-postgres')
+  if (block === undefined) return t.fail('README.md has a ```ts block under ## PostgreSQL: postgres.js or node-postgres')
+  // The block's payments table, in a schema of this test's own (found through search_path); the
+  // store's table is the default public.idempotency_records, as the block has it.
+  const schema = `idem_readme_${randomBytes(4).toString('hex')}`
+  const admin = postgres(databaseUrl, { max: 1, onnotice: () => {} })
+  t.teardown(async () => {
+    await admin`DROP SCHEMA IF EXISTS ${admin(schema)} CASCADE`
+    await admin.end({ timeout: 2 })
+  })
+  await admin`CREATE SCHEMA ${admin(schema)}`
+  await admin`CREATE TABLE ${admin(schema)}.payments (id serial PRIMARY KEY, amount integer NOT NULL)`
+  const url = await runApp(t, block, { PGOPTIONS: `-c search_path=${schema}` })
+
+  const pay = (key: string, amount: number | null): Promise<Response> => fetch(`${url}/payments`, {
+    method: 'POST',
+    headers: { 'content-type': 'application/json', 'x-account-id': 'acct_readme', 'idempotency-key': `"${key}"` },
+    body: JSON.stringify({ amount })
+  })
+  const payments = async (): Promise<number[]> => (await admin`SELECT amount FROM ${admin(schema)}.payments ORDER BY id`).map((row) => Number(row.amount))
+  const recorded = async (key: string): Promise<string[]> =>
+    (await admin`SELECT state FROM public.idempotency_records WHERE scope = 'acct_readme' AND key = ${key}`).map((row) => String(row.state))
+
+  const key = `readme-${randomBytes(6).toString('hex')}`
+  const first = await pay(key, 1000)
+  const body = await first.text()
+  t.equal(first.status, 201, body)
+  t.match(JSON.parse(body), { id: 1, amount: 1000 })
+  const again = await pay(key, 1000)
+  t.equal(again.status, 201)
+  t.equal(again.headers.get('idempotent-replayed'), 'true', 'the retry is a replay')
+  t.equal(await again.text(), body, 'byte for byte')
+  t.same(await payments(), [1000], 'one payment, committed')
+  t.same(await recorded(key), ['completed'])
+
+  // amount null violates NOT NULL: the insert fails, the handler throws, the claim rolls back with it.
+  const other = `readme-${randomBytes(6).toString('hex')}`
+  t.equal((await pay(other, null)).status, 500)
+  t.same(await payments(), [1000], 'nothing written')
+  t.same(await recorded(other), [], 'no record: the key is free')
+  const retry = await pay(other, 5)
+  t.equal(retry.status, 201, 'the key runs afresh')
+  t.equal(retry.headers.get('idempotent-replayed'), null)
+  t.same(await payments(), [1000, 5])
 })
 
 t.test('relative links resolve to files, and anchors to headings; absolute links into the repository use its URL', async (t) => {

@@ -12,7 +12,13 @@ import type { NodePostgresPoolClient } from './node-postgres.js'
  * - every query once the connection was lost (node-postgres would fail them anyway; refusing them
  *   with the same code as postgres.js gives a handler one thing to check for);
  * - `release()`: the store returns the client to the pool when the transaction ends, and a client
- *   released twice is an error in node-postgres.
+ *   released twice is an error in node-postgres;
+ * - a statement that begins or ends a transaction (BEGIN, COMMIT, ROLLBACK, ...; see
+ *   {@link endsTransaction}). Inside a transaction PostgreSQL answers BEGIN with a warning only, so an
+ *   ORM's own `transaction()` on this client (Drizzle's, Kysely's: BEGIN, the writes, COMMIT) would
+ *   COMMIT the claim and the handler's writes before the response is recorded: a handler that
+ *   threw afterwards left its writes and a claim in progress behind, and a retry ran the operation
+ *   again once the lease lapsed (test/orm-recipes.test.ts). Savepoints stay allowed.
  *
  * node-postgres sends a query when `query()` is called, so checking at the call is checking at
  * the send. Every other property is the client's own.
@@ -30,7 +36,7 @@ export function guardPoolClient (
   }
 
   const query = (...args: unknown[]): unknown => {
-    const refused = refusal()
+    const refused = refusal() ?? (endsTransaction(queryText(args[0])) ? transactionControlError() : null)
     if (refused !== null) return refuse(refused, args)
     const last = args[args.length - 1]
     if (typeof last === 'function') {
@@ -62,6 +68,28 @@ export function guardPoolClient (
   })
   return { handle, end: () => { ended = true } }
 }
+
+/** The text of a query as `client.query` takes it: a string, a config `{ text }`, or a submittable (pg-cursor, pg-query-stream). */
+function queryText (first: unknown): string {
+  if (typeof first === 'string') return first
+  const text = (first as { text?: unknown } | null)?.text
+  return typeof text === 'string' ? text : ''
+}
+
+/**
+ * True for a statement that starts or ends a transaction block: BEGIN, START TRANSACTION, COMMIT,
+ * END, ROLLBACK (not ROLLBACK TO SAVEPOINT), ABORT, PREPARE TRANSACTION (which ends it too). Read
+ * from its first keyword, after leading comments: what an ORM sends for its own transaction() is
+ * that statement alone. Not a SQL parser: a multi-statement text is not split.
+ */
+export function endsTransaction (text: string): boolean {
+  const start = text.replace(/^(?:\s+|--[^\n]*(?:\n|$)|\/\*[\s\S]*?\*\/)*/, '')
+  return /^(?:begin|start\s+transaction|commit|end|abort|prepare\s+transaction|rollback(?!\s+(?:work\s+|transaction\s+)?to\b))\b/i.test(start)
+}
+
+const transactionControlError = (): Error => new Error(
+  "fastify-idempotency: request.idempotency.sql is already inside the request's transaction, which the store commits with the recorded response; BEGIN, COMMIT and ROLLBACK on it would end that transaction early (an ORM's transaction() sends them): write through it directly, and use SAVEPOINT / ROLLBACK TO SAVEPOINT for a partial rollback"
+)
 
 const endedError = (): Error => new Error("fastify-idempotency: this request's transaction has ended (committed or rolled back); run no more queries through request.idempotency.sql")
 

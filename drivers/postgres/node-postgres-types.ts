@@ -50,7 +50,7 @@ function parseBytea (text: string): Buffer {
  * 00:38:46.742123+00`, an offset in hours (and minutes, seconds for some historic zones).
  * 'infinity' has no Date; the statements never return one to be parsed.
  */
-function parseTimestamp (text: string): Date {
+export function parseTimestamp (text: string): Date {
   const match = /^(\d{4,})-(\d\d)-(\d\d) (\d\d):(\d\d):(\d\d)(?:\.(\d+))?([+-])(\d\d)(?::(\d\d))?(?::(\d\d))?( BC)?$/.exec(text)
   if (match === null) return new Date(Number.NaN)
   const [, year, month, day, hour, minute, second, fraction = '0', sign, offsetHours, offsetMinutes = '0', offsetSeconds = '0', bc] = match

@@ -3,6 +3,7 @@ import { InvalidOptionError } from '../../lib/errors.js'
 import type { OutboxEntry, RecordId } from '../../lib/store.js'
 import { integerOption, MAX_TIMER_MS } from '../../lib/validate.js'
 import type { DatabaseClient, Value } from './client.js'
+import { asDate } from './dates.js'
 
 /*
  * The transactional outbox (seeds: "record the operation first, make the external call carry its
@@ -75,7 +76,8 @@ export function resolveOutboxOptions (options: unknown): ResolvedOutboxOptions |
   }
 }
 
-type MessageColumns = [scope: string, key: string, name: string, topic: string, payload: unknown, deliveryKey: string, attempt: number, createdAt: Date]
+/** createdAt: a Date, or its text if the client's parsers were changed (dates.ts). */
+type MessageColumns = [scope: string, key: string, name: string, topic: string, payload: unknown, deliveryKey: string, attempt: number, createdAt: unknown]
 
 /** `table`: the quoted, schema-qualified name of the outbox table. */
 export function createOutbox (db: DatabaseClient, table: string, options: ResolvedOutboxOptions): Outbox {
@@ -123,9 +125,11 @@ export function createOutbox (db: DatabaseClient, table: string, options: Resolv
   async function deliverAll (rows: MessageColumns[]): Promise<DeliveryReport> {
     let delivered = 0
     let failed = 0
-    rows.sort((a, b) => a[7].getTime() - b[7].getTime())
-    for (const [scope, key, name, topic, payload, deliveryKey, attempt, createdAt] of rows) {
-      const message: OutboxMessage = { scope, key, name, topic, payload, deliveryKey, attempt, createdAt }
+    const messages = rows.map(([scope, key, name, topic, payload, deliveryKey, attempt, createdAt]): OutboxMessage =>
+      ({ scope, key, name, topic, payload, deliveryKey, attempt, createdAt: asDate(createdAt) }))
+    messages.sort((a, b) => a.createdAt.getTime() - b.createdAt.getTime())
+    for (const message of messages) {
+      const { scope, key, name, attempt } = message
       try {
         await options.deliver(message)
       } catch (err) {

@@ -3,6 +3,7 @@ import type { InspectedRecord } from '../../lib/admin.js'
 import type { ReconcileSource } from '../../lib/reconcile.js'
 import type { Lease, RecordId, StepResults, StoredResponse } from '../../lib/store.js'
 import type { DatabaseClient, Value } from './client.js'
+import { asDate } from './dates.js'
 
 /*
  * Recovery points, indeterminate failures, the reconciler's statements and the operator tools.
@@ -27,7 +28,7 @@ const LOST = Symbol('lease lost')
 
 type InspectColumns = [
   state: 'in_progress' | 'completed', algorithm: string, digest: Buffer, indeterminate: boolean, steps: Record<string, unknown>,
-  createdAt: Date, leaseRemaining: number, expiresIn: number, status: number | null,
+  createdAt: unknown, leaseRemaining: number, expiresIn: number, status: number | null,
   headers: StoredResponse['headers'] | null, body: Buffer | null
 ]
 
@@ -162,10 +163,10 @@ export function createRecovery (db: DatabaseClient, table: string): Recovery {
         async acquire (candidate, olderThanMs, leaseMs) {
           const token = randomUUID()
           const rows = (await run(acquireText, [candidate.scope, candidate.key, candidate.token, token, olderThanMs, leaseMs])).rows
-          const row = rows[0] as [string, Buffer, Record<string, unknown>, boolean, Date] | undefined
+          const row = rows[0] as [string, Buffer, Record<string, unknown>, boolean, unknown] | undefined
           if (row === undefined) return null
           const [algorithm, digest, steps, indeterminate, createdAt] = row
-          return { lease: { scope: candidate.scope, key: candidate.key, token }, fingerprint: { algorithm, digest }, steps: decodeSteps(steps), indeterminate, createdAt }
+          return { lease: { scope: candidate.scope, key: candidate.key, token }, fingerprint: { algorithm, digest }, steps: decodeSteps(steps), indeterminate, createdAt: asDate(createdAt) }
         },
         complete,
         release,
@@ -191,7 +192,7 @@ function inspected (id: RecordId, row: InspectColumns): InspectedRecord {
     fingerprint: { algorithm, digest },
     indeterminate,
     steps: decodeSteps(steps),
-    createdAt,
+    createdAt: asDate(createdAt),
     leaseRemainingMs: leaseRemaining,
     expiresInMs: expiresIn,
     response: state === 'completed' && status !== null ? { statusCode: status, headers: headers ?? {}, body } : null

@@ -1,5 +1,5 @@
 import { spawn } from 'node:child_process'
-import { mkdirSync, mkdtempSync, readdirSync, rmSync, symlinkSync, writeFileSync } from 'node:fs'
+import { existsSync, mkdirSync, mkdtempSync, readdirSync, rmSync, symlinkSync, writeFileSync } from 'node:fs'
 import os from 'node:os'
 import path from 'node:path'
 import type { Test } from 'tap'
@@ -10,25 +10,29 @@ import { ROOT } from './markdown.js'
  * node_modules links every dependency of the repository, and `fastify-idempotency` links the
  * repository itself, so imports go through package.json's `exports` to the built dist/. Packages
  * named in `without` are left out (to show the package runs without them); a scoped name
- * (`@types/pg`) leaves out that one package of its scope.
+ * (`@types/pg`) leaves out that one package of its scope. The packages of each node_modules folder
+ * in `alsoFrom` are linked too (test/orm/node_modules: drizzle-orm, which cannot be a root
+ * devDependency).
  */
-export function consumerProject (t: Test, files: Record<string, string>, without: readonly string[] = []): string {
+export function consumerProject (t: Test, files: Record<string, string>, without: readonly string[] = [], alsoFrom: readonly string[] = []): string {
   const dir = mkdtempSync(path.join(os.tmpdir(), 'fastify-idempotency-consumer-'))
   t.teardown(() => { rmSync(dir, { recursive: true, force: true }) })
   const modules = path.join(dir, 'node_modules')
   mkdirSync(modules)
-  for (const name of readdirSync(path.join(ROOT, 'node_modules'))) {
-    if (name.startsWith('.') || without.includes(name)) continue
-    if (name.startsWith('@') && without.some((left) => left.startsWith(`${name}/`))) {
-      // A scope with some of its packages left out (e.g. @types/pg): link the others one by one.
-      mkdirSync(path.join(modules, name))
-      for (const member of readdirSync(path.join(ROOT, 'node_modules', name))) {
-        if (without.includes(`${name}/${member}`)) continue
-        symlinkSync(path.join(ROOT, 'node_modules', name, member), path.join(modules, name, member), 'dir')
+  for (const from of [path.join(ROOT, 'node_modules'), ...alsoFrom]) {
+    for (const name of readdirSync(from)) {
+      if (name.startsWith('.') || without.includes(name) || existsSync(path.join(modules, name))) continue
+      if (name.startsWith('@') && without.some((left) => left.startsWith(`${name}/`))) {
+        // A scope with some of its packages left out (e.g. @types/pg): link the others one by one.
+        mkdirSync(path.join(modules, name))
+        for (const member of readdirSync(path.join(from, name))) {
+          if (without.includes(`${name}/${member}`)) continue
+          symlinkSync(path.join(from, name, member), path.join(modules, name, member), 'dir')
+        }
+        continue
       }
-      continue
+      symlinkSync(path.join(from, name), path.join(modules, name), 'dir')
     }
-    symlinkSync(path.join(ROOT, 'node_modules', name), path.join(modules, name), 'dir')
   }
   symlinkSync(ROOT, path.join(modules, 'fastify-idempotency'), 'dir')
   for (const [name, text] of Object.entries(files)) {

@@ -24,6 +24,8 @@ export interface CodeBlock {
   readonly fragment: boolean
   /** The `##` heading the block is under. */
   readonly section: string
+  /** The nearest heading above the block, of any level. */
+  readonly heading: string
 }
 
 /** Fenced code blocks, indented ones (inside list items) included, with their indentation removed. */
@@ -31,16 +33,18 @@ export function codeBlocks (page: string): CodeBlock[] {
   const lines = readFileSync(path.join(ROOT, page), 'utf8').split('\n')
   const blocks: CodeBlock[] = []
   let section = ''
+  let heading = ''
   for (let i = 0; i < lines.length; i++) {
     const line = lines[i] ?? ''
     if (/^#{1,2} /.test(line)) section = line.replace(/^#+ /, '')
+    if (/^#{1,6} /.test(line)) heading = line.replace(/^#+ /, '')
     const open = /^(\s*)```(\S*)\s*$/.exec(line)
     if (open === null) continue
     const indent = open[1] ?? ''
     let end = i + 1
     while (end < lines.length && !/^\s*```\s*$/.test(lines[end] ?? '')) end++
     const code = lines.slice(i + 1, end).map((l) => l.startsWith(indent) ? l.slice(indent.length) : l).join('\n')
-    blocks.push({ page, line: i + 2, lang: open[2] ?? '', code, fragment: (lines[i - 1] ?? '').trim() === '<!-- fragment -->', section })
+    blocks.push({ page, line: i + 2, lang: open[2] ?? '', code, fragment: (lines[i - 1] ?? '').trim() === '<!-- fragment -->', section, heading })
     i = end
   }
   return blocks
