@@ -194,7 +194,7 @@ function suite (url: string): void {
     t.equal(queryable, false, "node-postgres emitted the held client's connection error while the handler waited")
   }
 
-  /** A transaction of the test's own holding `gate`'s row `row` (FOR UPDATE) until released. */
+  /** A transaction of the test's own that runs `statement` (a gate row FOR UPDATE, a table lock) and keeps its locks until released. */
   async function holdGate (statement: string): Promise<{ release (): Promise<void> }> {
     let release!: () => void
     const released = new Promise<void>((resolve) => { release = resolve })
@@ -344,10 +344,13 @@ function suite (url: string): void {
     await terminate(t, pid)
     const response = await answer
     await gate.release()
-    // node-postgres hands the COMMIT the server's own answer, FATAL 57P01: the backend aborted the
-    // transaction before its commit record (a FATAL after it would be a PANIC), so a rollback is
-    // what happened, and not-committed is the precise answer, not a guess. A COMMIT whose
-    // connection just vanished is another matter: (f) below.
+    // A difference between the clients. node-postgres hands the COMMIT the server's own answer,
+    // FATAL 57P01 (a server error: transaction.ts, commitError, takes it for a rollback): the
+    // backend died before its commit record, as it holds interrupts from just before that record to
+    // the end of the commit, so not-committed is what happened. postgres.js 3.4.9, in this same
+    // scenario, rejects the COMMIT with a connection error, not the server's FATAL, and the client
+    // gets 503 outcome-unknown: true too, only less precise. Nothing committed either way. A COMMIT whose
+    // connection just vanished, with no word from the server, is unknown on both: (f) below.
     t.same([response.status, response.type], [500, 'not-committed'], 'COMMIT failed with the server saying so')
     t.same(await rowsOf('commit-1'), [], 'nothing committed')
     await afterwards(t, app, 'commit-1', pid)
