@@ -65,16 +65,24 @@ const CONNECTION_MESSAGES = new Set([
  */
 export function isNodePostgresConnectionError (err: unknown): boolean {
   if (err === null || typeof err !== 'object') return false
-  const { message, syscall, severity } = err as { message?: unknown, syscall?: unknown, severity?: unknown }
+  const { message, syscall, severity, code } = err as { message?: unknown, syscall?: unknown, severity?: unknown, code?: unknown }
   if (severity === 'FATAL' || severity === 'PANIC') return true
+  // node-postgres reads the localized severity (lc_messages): the SQLSTATEs of a session the server
+  // ends say the same in any language (57P01-57P03 operator intervention, class 08, 25P03 idle timeout).
+  if (typeof code === 'string' && (/^57P0[1-3]$/.test(code) || code.startsWith('08') || code === '25P03')) return true
   return typeof syscall === 'string' || (typeof message === 'string' && CONNECTION_MESSAGES.has(message))
 }
 
-/** An error the server sent on a live session: node-postgres's DatabaseError has its SQLSTATE and severity. */
+/**
+ * An error the server sent, which it sends only for a transaction it did not commit: node-postgres's
+ * DatabaseError has its SQLSTATE and severity. A FATAL counts (PostgreSQL holds interrupts while it
+ * writes the commit record, and after a local commit it ends the session without sending one); a
+ * PANIC does not, since the server may fail in a critical section after the record was written.
+ */
 function isServerError (err: unknown): boolean {
   if (!(err instanceof Error)) return false
   const { code, severity } = err as { code?: unknown, severity?: unknown }
-  return typeof code === 'string' && /^[0-9A-Z]{5}$/.test(code) && typeof severity === 'string'
+  return typeof code === 'string' && /^[0-9A-Z]{5}$/.test(code) && typeof severity === 'string' && severity !== 'PANIC'
 }
 
 const names = new Map<string, string>()

@@ -60,7 +60,8 @@ export function postgresJsClient (sql: Sql<any>): DatabaseClient {
       })
     },
     connectionOf: (handle) => (typeof handle === 'function' || typeof handle === 'object') && handle !== null ? handles.get(handle) ?? null : null,
-    isServerError: (err) => (err as { name?: unknown } | null)?.name === 'PostgresError'
+    // A PANIC is not an answer about the commit: see node-postgres.ts, isServerError.
+    isServerError: (err) => (err as { name?: unknown } | null)?.name === 'PostgresError' && (err as { severity?: unknown }).severity !== 'PANIC'
   }
 }
 
