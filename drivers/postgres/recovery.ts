@@ -111,13 +111,21 @@ export function createRecovery (db: DatabaseClient, table: string): Recovery {
     },
 
     async runStepInTransaction (lease, name, fn, toJson) {
-      let guard: { end (): void } | null = null
       try {
         // Nothing sent once the connection dropped, not even the ROLLBACK (dropped-connection.ts).
         return await db.transaction(async (tx) => {
           const guarded = tx.guarded()
-          guard = guarded
-          const json = toJson(await fn(guarded.handle))
+          let value: unknown
+          try {
+            value = await fn(guarded.handle)
+          } finally {
+            // The handle is fn's, and ends when fn settles, not when the transaction does: a query
+            // the step's code sends after that (a write it did not await) would otherwise be queued
+            // behind the step's record, COMMIT or ROLLBACK and run on its own once they are done:
+            // committed outside the step, even after a rollback, or on postgres.js never answered.
+            guarded.end()
+          }
+          const json = toJson(value)
           if (tx.connection.lost !== null) throw tx.connection.lost
           // In the step's transaction: the record is written (and the row locked) only if this
           // lease still owns it, and commits with everything `fn` wrote, or neither does.
@@ -128,8 +136,6 @@ export function createRecovery (db: DatabaseClient, table: string): Recovery {
       } catch (err) {
         if (err === LOST) return null
         throw err
-      } finally {
-        (guard as { end (): void } | null)?.end()
       }
     },
 

@@ -3,8 +3,13 @@ import postgres from 'postgres'
 import t from 'tap'
 import { postgresStore, type PostgresStore } from '../../drivers/postgres/index.js'
 import { boundaryScenarios } from '../helpers/boundary-scenarios.js'
+import { CLIENT_NAME, endPools, storeConnection } from '../helpers/postgres-clients.js'
 
-/** Issue 12's lease boundaries on Postgres (lease mode), the same scenarios as on the memory store. */
+/**
+ * Issue 12's lease boundaries on Postgres (lease mode), the same scenarios as on the memory store.
+ * The store runs on the client under test (test/helpers/postgres-clients.ts; the node-postgres run:
+ * test/drivers/node-postgres/postgres-boundaries.test.ts).
+ */
 
 const DATABASE_URL = process.env.DATABASE_URL
 if (DATABASE_URL === undefined || DATABASE_URL === '') {
@@ -24,11 +29,13 @@ function suite (url: string): void {
     for (const store of stores) await store.close()
     await sql`DROP SCHEMA IF EXISTS ${sql(schema)} CASCADE`
     await sql.end({ timeout: 1 })
+    await endPools()
   })
 
+  t.comment(`store on ${CLIENT_NAME}`)
   boundaryScenarios(t, {
     store: async () => {
-      const store = postgresStore({ sql, schema, table: `records_${++tables}`, purgeInterval: 0 })
+      const store = postgresStore({ ...storeConnection(sql), schema, table: `records_${++tables}`, purgeInterval: 0 })
       await store.migrate()
       stores.push(store)
       return store

@@ -5,12 +5,16 @@ import t, { type Test } from 'tap'
 import idempotency, { InvalidOptionError, type RouteIdempotencyOptions } from '../../lib/index.js'
 import { deriveKey } from '../../lib/derive.js'
 import { postgresStore, type OutboxMessage, type PostgresStore, type PostgresStoreOptions } from '../../drivers/postgres/index.js'
+import { CLIENT, CLIENT_NAME, endPools, exec, poolLike, storeConnection } from '../helpers/postgres-clients.js'
 
 /**
  * The transactional outbox: a message exists exactly when the transaction that enqueued it
  * committed, is delivered after the commit with its derived key, retried with backoff when delivery
  * fails, and purged once delivered and past its retention. (Across a real crash:
- * test/drivers/postgres-crash.test.ts.)
+ * test/drivers/postgres-crash.test.ts.) The store runs on the client under test
+ * (test/helpers/postgres-clients.ts; the node-postgres run: test/drivers/node-postgres/postgres-outbox.test.ts):
+ * a message is enqueued through that client's transaction handle, request.idempotency.sql in atomic
+ * mode or the handle a transactional step's `fn` receives (a guarded PoolClient on node-postgres).
  */
 
 const DATABASE_URL = process.env.DATABASE_URL
@@ -31,6 +35,7 @@ function suite (url: string): void {
   t.teardown(async () => {
     await sql`DROP SCHEMA IF EXISTS ${sql(schema)} CASCADE`
     await sql.end({ timeout: 1 })
+    await endPools()
   })
 
   interface World {
@@ -47,7 +52,7 @@ function suite (url: string): void {
     const table = `records_${++tables}`
     const w = { delivered: [] as OutboxMessage[], failNext: 0 } as World
     const store = postgresStore({
-      sql,
+      ...storeConnection(sql),
       schema,
       table,
       purgeInterval: 0,
@@ -136,6 +141,92 @@ function suite (url: string): void {
     t.same((await w.outboxRows()).map((row) => row.key), ['l1'])
   })
 
+  const NOT_THE_TRANSACTION = /enqueue\(\) needs the transaction the message commits with/
+
+  /**
+   * Handles of the client under test that are not a transaction of this store: the message would
+   * commit on its own (the client, the pool) or with a transaction the store knows nothing of.
+   * Each comes with what ends it.
+   */
+  async function foreignHandles (): Promise<Array<{ label: string, handle: unknown, done: () => Promise<void> }>> {
+    if (CLIENT === 'postgres') {
+      let finish!: () => void
+      const held = new Promise<void>((resolve) => { finish = resolve })
+      const opened = new Promise<postgres.TransactionSql>((resolve) => {
+        void sql.begin(async (tx) => { resolve(tx); await held })
+      })
+      const tx = await opened
+      return [
+        { label: 'the client itself', handle: sql, done: async () => {} },
+        { label: 'a transaction of its own (sql.begin)', handle: tx, done: async () => { finish() } }
+      ]
+    }
+    const pool = poolLike(sql)
+    const client = await pool.connect()
+    await client.query('BEGIN')
+    return [
+      { label: 'the pool itself', handle: pool, done: async () => {} },
+      { label: 'a PoolClient of the same pool, inside a BEGIN of its own', handle: client, done: async () => { await client.query('ROLLBACK'); client.release() } }
+    ]
+  }
+
+  t.test(`enqueue() through a handle that is not the store's transaction is refused with a TypeError; nothing is enqueued (${CLIENT_NAME})`, async (t) => {
+    const w = await world(t, {})
+    const foreign = await foreignHandles()
+    t.teardown(async () => { for (const { done } of foreign) await done() })
+    for (const { label, handle } of foreign) {
+      await t.rejects(w.store.enqueue(handle, { scope: 'acct_a', key: 'direct', name: 'receipt', topic: 'email', payload: {} }),
+        { name: 'TypeError', message: NOT_THE_TRANSACTION }, `store.enqueue: ${label}`)
+    }
+
+    // From a transactional step: the step fails (and rolls back), so the request does.
+    let picked = 0
+    let caught: unknown = null
+    const app = Fastify()
+    t.teardown(() => app.close())
+    await app.register(idempotency, { store: w.store, scope: () => 'acct_a', lease: 1000 })
+    app.setErrorHandler((error, _request, reply) => { caught = error; return reply.code(500).send() })
+    app.post('/foreign', async (request) => {
+      const context = request.idempotency
+      if (context === null) throw new Error('unprotected')
+      const handle = foreign[picked]?.handle
+      await context.step('receipt', async () => { await context.enqueue({ name: 'receipt', topic: 'email', payload: {} }, handle) }, { transaction: true })
+      return { ok: true }
+    })
+    for (; picked < foreign.length; picked++) {
+      caught = null
+      const response = await app.inject({ method: 'POST', url: '/foreign', headers: { 'idempotency-key': `"foreign-${picked}"` } })
+      t.equal(response.statusCode, 500, `a step enqueueing through ${foreign[picked]?.label ?? ''} fails`)
+      t.match(caught, { name: 'TypeError', message: NOT_THE_TRANSACTION })
+    }
+    for (const { done } of foreign.splice(0)) await done()
+    await sleep(50)
+    t.same(await w.outboxRows(), [], 'no message was enqueued')
+    t.same(await w.store.deliverOutbox(), { delivered: 0, failed: 0 })
+    t.equal(w.delivered.length, 0)
+  })
+
+  t.test(`a step's handle kept past the step: enqueue() through it is refused; nothing is enqueued (${CLIENT_NAME})`, async (t) => {
+    const w = await world(t, {})
+    let kept: unknown = null
+    const app = Fastify()
+    t.teardown(() => app.close())
+    await app.register(idempotency, { store: w.store, scope: () => 'acct_a', lease: 1000 })
+    app.post('/keep', async (request) => {
+      const context = request.idempotency
+      if (context === null) throw new Error('unprotected')
+      await context.step('keep', async (tx) => {
+        kept = tx
+        // A query of its own: the handle worked inside the step.
+        await exec(tx, 'SELECT 1')
+      }, { transaction: true })
+      return { ok: true }
+    })
+    t.equal((await app.inject({ method: 'POST', url: '/keep', headers: { 'idempotency-key': '"kept"' } })).statusCode, 200)
+    await t.rejects(w.store.enqueue(kept, { scope: 'acct_a', key: 'kept', name: 'late', topic: 'email', payload: {} }), { message: /transaction has ended/ })
+    t.same(await w.outboxRows(), [], 'nothing was enqueued')
+  })
+
   t.test('a failed delivery is retried with backoff by the worker, then delivered once', async (t) => {
     const w = await world(t, { transaction: true })
     w.failNext = 3
@@ -171,7 +262,7 @@ function suite (url: string): void {
     const seen: Array<[string, string]> = []
     // No migrate(): the table does not exist, so every background statement fails.
     const store = postgresStore({
-      sql,
+      ...storeConnection(sql),
       schema,
       table: 'never_created',
       purgeInterval: 20,
@@ -185,13 +276,13 @@ function suite (url: string): void {
     await store.close()
     t.ok(seen.some(([task, code]) => task === 'purge' && code === '42P01'), 'the purge error (undefined table)')
     t.ok(seen.some(([task, code]) => task === 'outbox' && code === '42P01'), 'the delivery error')
-    t.throws(() => postgresStore({ sql, onBackgroundError: 'log' as never }), { message: /onBackgroundError/ })
+    t.throws(() => postgresStore({ ...storeConnection(sql), onBackgroundError: 'log' as never }), { message: /onBackgroundError/ })
   })
 
   t.test('options and misuse', async (t) => {
-    t.throws(() => postgresStore({ sql, outbox: {} as never }), InvalidOptionError)
-    t.throws(() => postgresStore({ sql, outbox: { deliver: () => {}, retryDelay: 0 } }), { message: /outbox\.retryDelay/ })
-    const plain = postgresStore({ sql, schema, table: 'records_plain', purgeInterval: 0 })
+    t.throws(() => postgresStore({ ...storeConnection(sql), outbox: {} as never }), InvalidOptionError)
+    t.throws(() => postgresStore({ ...storeConnection(sql), outbox: { deliver: () => {}, retryDelay: 0 } }), { message: /outbox\.retryDelay/ })
+    const plain = postgresStore({ ...storeConnection(sql), schema, table: 'records_plain', purgeInterval: 0 })
     await plain.migrate()
     await t.rejects(plain.deliverOutbox(), { message: /no outbox/ })
     await t.rejects(plain.enqueue(sql, { scope: 's', key: 'k', name: 'n', topic: 't', payload: 1 }), { message: /no outbox/ })

@@ -1,15 +1,21 @@
 import { randomBytes } from 'node:crypto'
 import Fastify from 'fastify'
+import pg from 'pg'
 import postgres from 'postgres'
 import t from 'tap'
 import idempotency, { LeaseLostError } from '../../lib/index.js'
 import { postgresStore, type PostgresStore } from '../../drivers/postgres/index.js'
 import { recoveryScenarios } from '../helpers/recovery-scenarios.js'
+import { CLIENT, CLIENT_NAME, endPools, exec, storeConnection } from '../helpers/postgres-clients.js'
 
 /**
  * Recovery points, indeterminate failures, the reconciler and the operator tools on Postgres: the
  * shared scenarios (also run on the memory store), then what only Postgres has: transactional
  * steps, the reconciler's advisory lock, and the upgrade of a table created before these columns.
+ * The store runs on the client under test (test/helpers/postgres-clients.ts; the node-postgres run:
+ * test/drivers/node-postgres/postgres-recovery.test.ts); the suite's own reads stay on postgres.js.
+ * A transactional step's `fn` gets that client's transaction handle (a guarded TransactionSql or
+ * PoolClient), so the steps here write through `exec`, which runs `$n` SQL on either.
  */
 
 const DATABASE_URL = process.env.DATABASE_URL
@@ -30,10 +36,14 @@ function suite (url: string): void {
     for (const store of stores) await store.close()
     await sql`DROP SCHEMA IF EXISTS ${sql(schema)} CASCADE`
     await sql.end({ timeout: 1 })
+    await endPools()
   })
 
+  /** The schema, quoted for SQL text run through `exec` (its name is [a-z0-9_], see above). */
+  const inSchema = (table: string): string => `"${schema}".${table}`
+
   async function freshStore (): Promise<PostgresStore> {
-    const store = postgresStore({ sql, schema, table: `records_${++tables}`, purgeInterval: 0 })
+    const store = postgresStore({ ...storeConnection(sql), schema, table: `records_${++tables}`, purgeInterval: 0 })
     await store.migrate()
     stores.push(store)
     return store
@@ -59,7 +69,7 @@ function suite (url: string): void {
       if (context === null) throw new Error('unprotected')
       const reservation = await context.step('reserve', async (tx) => {
         runs++
-        await tx`INSERT INTO ${tx(schema)}.reservations VALUES (${context.key}, ${`run ${runs}`})`
+        await exec(tx, `INSERT INTO ${inSchema('reservations')} VALUES ($1, $2)`, [context.key, `run ${runs}`])
         if (failInside) throw new Error('failed inside the step')
         return { reserved: runs }
       }, { transaction: true })
@@ -88,8 +98,7 @@ function suite (url: string): void {
     if (claim.outcome !== 'acquired') throw new Error('claim')
     await store.forceRelease({ scope: 'acct_a', key: 'lost' })
     const saved = await store.runStepInTransaction(claim.lease, 'write', async (tx) => {
-      const sqlTx = tx as postgres.TransactionSql
-      await sqlTx`INSERT INTO ${sqlTx(schema)}.lost_writes VALUES ('lost')`
+      await exec(tx, `INSERT INTO ${inSchema('lost_writes')} VALUES ('lost')`)
       return 1
     }, JSON.stringify)
     t.equal(saved, null, 'not recorded')
@@ -132,7 +141,7 @@ function suite (url: string): void {
     // fetch_types: false, as the README recommends: with it, postgres.js 3.4.9's sql.reserve() never
     // resolves (porsager/postgres#751), which an earlier reconciler lock relied on.
     const others = [postgres(url, { max: 2, fetch_types: false, onnotice: () => {} }), postgres(url, { max: 2, fetch_types: false, onnotice: () => {} })]
-    const instances = [store, ...others.map((client) => postgresStore({ sql: client, schema, table: `records_${tables}`, purgeInterval: 0 }))]
+    const instances = [store, ...others.map((client) => postgresStore({ ...storeConnection(client), schema, table: `records_${tables}`, purgeInterval: 0 }))]
     const reconcilers = instances.map((instance) => instance.startReconciler({ interval: 5, olderThan: 0, limit: 2, resolve }))
     const deadline = Date.now() + 10_000
     while (resolved < 6 && Date.now() < deadline) await new Promise((resolve) => setTimeout(resolve, 10))
@@ -140,9 +149,17 @@ function suite (url: string): void {
     for (const instance of instances.slice(1)) await instance.close()
     await Promise.all(others.map((client) => client.end({ timeout: 1 })))
     t.equal(resolved, 6, 'every stuck record resolved once')
-    const single = postgres(url, { max: 1, onnotice: () => {} })
-    t.throws(() => postgresStore({ sql: single, schema, purgeInterval: 0 }).startReconciler({ resolve: () => undefined }), { message: /at least 2 connections/ })
-    await single.end({ timeout: 1 })
+    if (CLIENT === 'postgres') {
+      const single = postgres(url, { max: 1, onnotice: () => {} })
+      t.throws(() => postgresStore({ sql: single, schema, purgeInterval: 0 }).startReconciler({ resolve: () => undefined }), { message: /at least 2 connections/ })
+      await single.end({ timeout: 1 })
+    } else {
+      // The same refusal on a node-postgres pool of one connection, named for what the user passed.
+      const single = new pg.Pool({ connectionString: url, max: 1 })
+      t.throws(() => postgresStore({ pool: single, schema, purgeInterval: 0 }).startReconciler({ resolve: () => undefined }),
+        { name: 'TypeError', message: /startReconciler needs a node-postgres pool with at least 2 connections \(max: 1\)/ })
+      await single.end()
+    }
     t.equal(most, 1, 'never two passes at once')
     const left = await sql`SELECT count(*)::int AS n FROM ${sql(schema)}.${sql(`records_${tables}`)} WHERE state = 'in_progress'`
     t.equal(left[0]?.n, 0)
@@ -159,7 +176,7 @@ function suite (url: string): void {
         PRIMARY KEY (scope, key))`
     await sql`INSERT INTO ${sql(schema)}.${sql(table)} (scope, key, fingerprint, fingerprint_algorithm, state, owner_token, lease_expires_at, expires_at)
       VALUES ('acct_a', 'old', '\\x00', 'custom-v1', 'in_progress', gen_random_uuid(), now(), now() + interval '1 hour')`
-    const store = postgresStore({ sql, schema, table, purgeInterval: 0 })
+    const store = postgresStore({ ...storeConnection(sql), schema, table, purgeInterval: 0 })
     stores.push(store)
     await store.migrate()
     const record = await store.inspect({ scope: 'acct_a', key: 'old' })
