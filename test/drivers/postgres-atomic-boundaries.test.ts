@@ -11,6 +11,7 @@ import idempotency, { type IdempotencyOptions } from '../../lib/index.js'
 import { postgresStore, type PostgresStore } from '../../drivers/postgres/index.js'
 import { CLIENT, endPools, exec, poolLike, storeConnection } from '../helpers/postgres-clients.js'
 import { settledCounts } from '../helpers/pool-accounting.js'
+import { poolClientOf } from '../helpers/node-postgres-world.js'
 
 /**
  * Issue 12, atomic mode (transaction: true) against a real PostgreSQL: retention counts from the
@@ -34,12 +35,6 @@ function transactionOf (request: FastifyRequest): TransactionSql<any> {
   if (tx === undefined) throw new Error('not in atomic mode')
   return tx
 }
-/**
- * The same on node-postgres: a PoolClient (the type an application gets by declaring
- * `AtomicTransactionTypes { client: PoolClient }`, which this project's tests do not, as they
- * run on both clients).
- */
-const poolClientOf = (request: FastifyRequest): pg.PoolClient => transactionOf(request) as unknown as pg.PoolClient
 const keyed = (key: string): Record<string, string> => ({ 'idempotency-key': `"${key}"`, 'content-type': 'application/json' })
 const sleep = (ms: number): Promise<void> => new Promise((resolve) => setTimeout(resolve, ms))
 
