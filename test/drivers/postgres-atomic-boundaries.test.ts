@@ -4,16 +4,22 @@ import { tmpdir } from 'node:os'
 import path from 'node:path'
 import { Readable } from 'node:stream'
 import Fastify, { type FastifyInstance, type FastifyRequest, type LightMyRequestResponse } from 'fastify'
+import pg from 'pg'
 import postgres, { type TransactionSql } from 'postgres'
 import t, { type Test } from 'tap'
 import idempotency, { type IdempotencyOptions } from '../../lib/index.js'
 import { postgresStore, type PostgresStore } from '../../drivers/postgres/index.js'
+import { CLIENT, endPools, exec, poolLike, storeConnection } from '../helpers/postgres-clients.js'
+import { settledCounts } from '../helpers/pool-accounting.js'
+import { poolClientOf } from '../helpers/node-postgres-world.js'
 
 /**
  * Issue 12, atomic mode (transaction: true) against a real PostgreSQL: retention counts from the
  * commit (case 7), no handler query reaches the connection once the request's transaction ended
  * (case 8), a COMMIT whose outcome is unknown is never answered as a rollback (case 9), and a
- * stream of string chunks is recorded like any other (case 10).
+ * stream of string chunks is recorded like any other (case 10). The store runs on the client under
+ * test (test/helpers/postgres-clients.ts); case 8 is about each client's own handle: postgres.js's
+ * tagged templates, savepoints and file(), or node-postgres's PoolClient and its query() forms.
  */
 
 const DATABASE_URL = process.env.DATABASE_URL
@@ -23,7 +29,7 @@ if (DATABASE_URL === undefined || DATABASE_URL === '') {
   suite(DATABASE_URL)
 }
 
-/** The request's transaction (atomic mode), or a failure of the test. */
+/** The request's transaction (atomic mode), or a failure of the test: a postgres.js TransactionSql. */
 function transactionOf (request: FastifyRequest): TransactionSql<any> {
   const tx = request.idempotency?.sql
   if (tx === undefined) throw new Error('not in atomic mode')
@@ -37,6 +43,7 @@ function suite (url: string): void {
   const sql = postgres(url, { max: 10, onnotice: () => {}, fetch_types: false })
   const admin = postgres(url, { max: 2, onnotice: () => {}, fetch_types: false })
   const stores: PostgresStore[] = []
+  const payTable = `"${schema}".payments`
 
   t.before(async () => {
     await admin`CREATE SCHEMA ${admin(schema)}`
@@ -54,11 +61,12 @@ function suite (url: string): void {
     await admin`DROP SCHEMA IF EXISTS ${admin(schema)} CASCADE`
     await sql.end({ timeout: 2 })
     await admin.end({ timeout: 2 })
+    await endPools()
   })
 
   let tables = 0
   async function world (t: Test, options: IdempotencyOptions = {}): Promise<{ app: FastifyInstance, store: PostgresStore, post: (url: string, key: string) => Promise<LightMyRequestResponse> }> {
-    const store = postgresStore({ sql, schema, table: `records_${++tables}`, purgeInterval: 0 })
+    const store = postgresStore({ ...storeConnection(sql), schema, table: `records_${++tables}`, purgeInterval: 0 })
     await store.migrate()
     stores.push(store)
     const app = Fastify()
@@ -74,8 +82,7 @@ function suite (url: string): void {
     let runs = 0
     w.app.post('/slow', { config: { idempotency: { ttl: 500 } } }, async (request, reply) => {
       runs++
-      const tx = transactionOf(request)
-      await tx`INSERT INTO ${tx(schema)}.payments (key) VALUES ('slow-ttl')`
+      await exec(transactionOf(request), `INSERT INTO ${payTable} (key) VALUES ('slow-ttl')`)
       await sleep(800)
       return reply.code(201).send({ ok: true })
     })
@@ -86,7 +93,8 @@ function suite (url: string): void {
     t.equal(await payments('slow-ttl'), 1, 'one payment')
   })
 
-  t.test('case 8: no query reaches the connection after the transaction ended, whichever handle or timing', async (t) => {
+  // postgres.js: tagged templates (sent when awaited), savepoint handles, unsafe() and file().
+  if (CLIENT === 'postgres') t.test('case 8: no query reaches the connection after the transaction ended, whichever handle or timing', async (t) => {
     const w = await world(t)
     const attempts: Array<() => Promise<unknown>> = []
     const dir = mkdtempSync(path.join(tmpdir(), 'idem-file-'))
@@ -119,7 +127,8 @@ function suite (url: string): void {
     t.equal(await payments('leak'), 0, 'nothing was written outside the transaction')
   })
 
-  t.test('case 8: a file() query whose read outlasts the transaction is refused when it would be sent', async (t) => {
+  // postgres.js's file() (node-postgres has none).
+  if (CLIENT === 'postgres') t.test('case 8: a file() query whose read outlasts the transaction is refused when it would be sent', async (t) => {
     const w = await world(t)
     let pending: Promise<unknown> | null = null
     const dir = mkdtempSync(path.join(tmpdir(), 'idem-file-'))
@@ -137,13 +146,71 @@ function suite (url: string): void {
     t.equal(await payments('file-late'), 0)
   })
 
+  // node-postgres's PoolClient: query() in its promise, callback and submittable forms, and release().
+  if (CLIENT === 'pg') {
+    for (const [status, ended] of [[500, 'rolled back'], [201, 'committed']] as const) {
+      t.test(`case 8 (node-postgres): once the transaction ${ended}, the PoolClient refuses every form of query() and release() throws; nothing is written`, async (t) => {
+        const w = await world(t)
+        const key = `leak-${status}`
+        const insert = (note: string): string => `INSERT INTO ${payTable} (key, note) VALUES ('${key}', '${note}')`
+        let kept!: pg.PoolClient
+        let releaseInside: unknown = null
+        let inFlight: Promise<unknown> = Promise.resolve()
+        w.app.post('/leak', async (request, reply) => {
+          kept = poolClientOf(request)
+          await kept.query('SELECT 1')
+          try { kept.release() } catch (err) { releaseInside = err }
+          // Sent now and not awaited: node-postgres sends a query when query() is called (postgres.js
+          // when it is awaited), so this one runs inside the transaction, ahead of its COMMIT or ROLLBACK.
+          inFlight = kept.query(`INSERT INTO ${payTable} (key, note) SELECT '${key}', 'in flight' FROM pg_sleep(0.05)`).catch((err: unknown) => err)
+          return reply.code(status).send({ status })
+        })
+
+        t.equal((await w.post('/leak', key)).statusCode, status)
+        t.match(String(releaseInside), /the store releases it when the transaction ends/, 'release() inside the transaction throws')
+        t.notOk(await inFlight instanceof Error, 'the query sent before the end ran, in the transaction')
+        await sleep(50) // the transaction has ended, and the client is back in the pool
+
+        await t.rejects(kept.query(insert('promise')), /transaction has ended/, 'query(text) is refused')
+        await t.rejects(kept.query({ text: `INSERT INTO ${payTable} (key, note) VALUES ($1, $2)`, values: [key, 'config'] }), /transaction has ended/, 'query(config) is refused')
+        const viaCallback = await new Promise<Error | undefined>((resolve) => { kept.query(insert('callback'), (err) => resolve(err)) })
+        t.match(String(viaCallback), /transaction has ended/, 'query(text, callback) is refused through its callback')
+        const viaValuesCallback = await new Promise<Error | undefined>((resolve) => {
+          kept.query(`INSERT INTO ${payTable} (key, note) VALUES ($1, $2)`, [key, 'values callback'], (err) => resolve(err))
+        })
+        t.match(String(viaValuesCallback), /transaction has ended/, 'query(text, values, callback) is refused through its callback')
+
+        // A submittable (pg.Query here; pg-cursor and pg-query-stream are the same shape) gets the
+        // refusal as its error, and is never submitted to the connection.
+        const submittable = new pg.Query(insert('submittable'))
+        let submitted = false
+        const submit = submittable.submit.bind(submittable)
+        submittable.submit = (connection) => { submitted = true; return submit(connection) }
+        // Bounded: if it were run instead, it would end (or hang on a client back in the pool).
+        const viaSubmittable = await new Promise<Error | 'ended' | 'no answer'>((resolve) => {
+          setTimeout(() => resolve('no answer'), 2000).unref()
+          kept.query(submittable).on('error', resolve).on('end', () => resolve('ended'))
+        })
+        t.match(String(viaSubmittable), /transaction has ended/, 'query(submittable) is refused through its error event')
+        t.notOk(submitted, 'the submittable was never submitted')
+
+        t.throws(() => { kept.release() }, /the store releases it when the transaction ends/, 'release() after the end throws too')
+        await sleep(100)
+        const notes = (await admin`SELECT note FROM ${admin(schema)}.payments WHERE key = ${key} ORDER BY note`).map((row) => String(row.note))
+        t.same(notes, status === 201 ? ['in flight'] : [], 'only the query sent inside the transaction, and only if it committed')
+        const counts = await settledCounts(poolLike(sql))
+        t.equal(counts.idle, counts.total, `the client went back to the pool once, not released by the handler (${JSON.stringify(counts)})`)
+        t.equal(w.store.openTransactions, 0, 'the transaction ended')
+      })
+    }
+  }
+
   t.test('case 9: a COMMIT slower than storeTimeout answers "outcome unknown" (503), never "rolled back"; the retry replays the truth', async (t) => {
     const w = await world(t, { storeTimeout: 200 })
     let runs = 0
     w.app.post('/slow-commit', async (request, reply) => {
       runs++
-      const tx = transactionOf(request)
-      await tx`INSERT INTO ${tx(schema)}.payments (key, note) VALUES ('slow-commit', 'slow')`
+      await exec(transactionOf(request), `INSERT INTO ${payTable} (key, note) VALUES ('slow-commit', 'slow')`)
       return reply.code(201).send({ paid: true })
     })
     const first = await w.post('/slow-commit', 'slow-commit')
@@ -165,8 +232,7 @@ function suite (url: string): void {
     let runs = 0
     w.app.post('/strings', async (request, reply) => {
       runs++
-      const tx = transactionOf(request)
-      await tx`INSERT INTO ${tx(schema)}.payments (key) VALUES ('strings')`
+      await exec(transactionOf(request), `INSERT INTO ${payTable} (key) VALUES ('strings')`)
       reply.code(201).type('text/plain')
       return Readable.from(['a', 'b', 'é'])
     })

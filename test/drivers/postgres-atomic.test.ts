@@ -9,10 +9,14 @@ import postgres from 'postgres'
 import t, { type Test } from 'tap'
 import idempotency, { InvalidOptionError, memoryStore, type IdempotencyOptions } from '../../lib/index.js'
 import { postgresStore, type PostgresStore } from '../../drivers/postgres/index.js'
+import { CLIENT, endPools, exec, poolLike, storeConnection } from '../helpers/postgres-clients.js'
+import { everySlotFree, settledCounts } from '../helpers/pool-accounting.js'
 
 /**
  * Atomic mode against a real PostgreSQL (DATABASE_URL): the claim, the handler's writes through
- * request.idempotency.sql and the recorded response commit together or roll back together.
+ * request.idempotency.sql and the recorded response commit together or roll back together. The
+ * store runs on the client under test (test/helpers/postgres-clients.ts); the handlers write with
+ * `exec`, which takes either client's transaction handle; the checks read with postgres.js.
  */
 
 const DATABASE_URL = process.env.DATABASE_URL
@@ -45,6 +49,7 @@ function suite (url: string): void {
   const appName = `idem-atomic-${id}`
   const sql = postgres(url, { max: 10, onnotice: () => {}, connection: { application_name: appName } })
   const admin = postgres(url, { max: 2, onnotice: () => {} })
+  const payTable = `"${schema}".payments`
 
   t.before(async () => {
     await admin`CREATE SCHEMA ${admin(schema)}`
@@ -56,6 +61,7 @@ function suite (url: string): void {
     await admin`DROP SCHEMA IF EXISTS ${admin(schema)} CASCADE`
     await sql.end({ timeout: 2 })
     await admin.end({ timeout: 2 })
+    await endPools()
   })
 
   async function reset (): Promise<void> {
@@ -73,7 +79,7 @@ function suite (url: string): void {
   /** An app whose POST /pay inserts a payment through request.idempotency.sql; `behave` decides what else it does. */
   async function world (t: Test, options: IdempotencyOptions = {}, behave: (body: { amount: number, fail?: string, ref?: string }) => Promise<void> | void = () => {}): Promise<World> {
     await reset()
-    const store = postgresStore({ sql, schema, table: 'records', purgeInterval: 0 })
+    const store = postgresStore({ ...storeConnection(sql), schema, table: 'records', purgeInterval: 0 })
     const app = Fastify()
     t.teardown(() => app.close())
     await app.register(idempotency, { store, scope: () => 'test', transaction: true, ...options })
@@ -83,7 +89,7 @@ function suite (url: string): void {
       const tx = request.idempotency?.sql
       if (tx === undefined) throw new Error('no transaction')
       const key = request.idempotency?.key ?? ''
-      await tx`INSERT INTO ${tx(schema)}.payments (key, amount, ref) VALUES (${key}, ${request.body.amount}, ${request.body.ref ?? null})`
+      await exec(tx, `INSERT INTO ${payTable} (key, amount, ref) VALUES ($1, $2, $3)`, [key, request.body.amount, request.body.ref ?? null])
       await behave(request.body)
       if (request.body.fail === 'throw') throw new Error('card network exploded')
       if (request.body.fail === '500') return reply.code(500).send({ error: 'oops' })
@@ -190,10 +196,10 @@ function suite (url: string): void {
     w.app.post<{ Body: { amount: number } }>('/late', async (request) => {
       const tx = request.idempotency?.sql
       if (tx === undefined) throw new Error('no transaction')
-      await tx`INSERT INTO ${tx(schema)}.payments (key, amount) VALUES ('late-1', 1)`
+      await exec(tx, `INSERT INTO ${payTable} (key, amount) VALUES ('late-1', 1)`)
       entered.resolve()
       await letGo.promise
-      try { await tx`INSERT INTO ${tx(schema)}.payments (key, amount) VALUES ('late-2', 2)` } catch (err) { lateWrite = err }
+      try { await exec(tx, `INSERT INTO ${payTable} (key, amount) VALUES ('late-2', 2)`) } catch (err) { lateWrite = err }
       return { ok: true }
     })
     await w.app.listen({ host: '127.0.0.1', port: 0 })
@@ -227,7 +233,8 @@ function suite (url: string): void {
       throw new Error('the fixture said nothing')
     }
     lines.on('line', (line) => events.push(JSON.parse(line) as Record<string, unknown>))
-    const { port } = await next() as { port: number }
+    const { port, client } = await next() as { port: number, client: string }
+    t.equal(client, CLIENT, 'the fixture runs its store on the client under test')
     fetch(`http://127.0.0.1:${port}/pay`, { method: 'POST', headers: keyed('k8'), body: JSON.stringify({ amount: 8 }) }).catch(() => {})
     t.same(await next(), { held: 'k8' })
     t.equal(await payments('k8'), 0, 'the uncommitted payment is invisible')
@@ -278,8 +285,16 @@ function suite (url: string): void {
     t.equal(sent, 10_000)
     t.equal(await drained(w.store), 0, 'every transaction ended')
     t.equal(await idleInTransaction(), 0, 'no connection is left idle in a transaction')
-    const probes = await Promise.all(Array.from({ length: 10 }, () => sql`SELECT 1 AS one`))
-    t.equal(probes.length, 10, 'all 10 pooled connections are usable')
+    if (CLIENT === 'postgres') {
+      const probes = await Promise.all(Array.from({ length: 10 }, () => sql`SELECT 1 AS one`))
+      t.equal(probes.length, 10, 'all 10 pooled connections are usable')
+    } else {
+      // node-postgres counts its clients: one never released would show here, and hold a slot.
+      const pool = poolLike(sql)
+      const counts = await settledCounts(pool)
+      t.equal(counts.idle, counts.total, `every client is back in the pool (${JSON.stringify(counts)})`)
+      t.ok(await everySlotFree(pool, 10), 'all 10 pooled clients can be checked out at once')
+    }
     const completedRows = Number((await admin`SELECT count(*)::int AS n FROM ${admin(schema)}.records WHERE state = 'completed'`)[0]?.n)
     const payRows = Number((await admin`SELECT count(*)::int AS n FROM ${admin(schema)}.payments`)[0]?.n)
     t.equal(payRows, completedRows, 'every committed payment has its record, and every record its payment')
@@ -299,7 +314,7 @@ function suite (url: string): void {
 
   t.test('the lease-mode and atomic-mode routes share one table', async (t) => {
     await reset()
-    const store = postgresStore({ sql, schema, table: 'records', purgeInterval: 0 })
+    const store = postgresStore({ ...storeConnection(sql), schema, table: 'records', purgeInterval: 0 })
     const app = Fastify()
     t.teardown(() => app.close())
     await app.register(idempotency, { store, scope: () => 'test' })

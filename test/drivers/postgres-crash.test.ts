@@ -5,12 +5,15 @@ import t from 'tap'
 import { postgresStore } from '../../drivers/postgres/index.js'
 import { deriveKey } from '../../lib/derive.js'
 import { spawnFixture, type ChildApp } from '../helpers/child-app.js'
+import { CLIENT, endPools, storeConnection } from '../helpers/postgres-clients.js'
 import { startFakeProvider, type FakeProvider } from '../helpers/fake-provider.js'
 
 /**
  * External effects across real crashes: an app process is SIGKILLed between its steps, or after
  * its commit but before its outbox delivered, and another process carries on. The provider honours
- * idempotency keys and logs every call: the checks count its calls and its effects.
+ * idempotency keys and logs every call: the checks count its calls and its effects. The app
+ * instances run their store on the client under test (test/helpers/postgres-clients.ts); the test
+ * reads the rows with its own postgres.js client.
  */
 
 const DATABASE_URL = process.env.DATABASE_URL
@@ -32,7 +35,7 @@ function suite (url: string): void {
 
   t.before(async () => {
     await sql`CREATE SCHEMA ${sql(schema)}`
-    const store = postgresStore({ sql, schema, table, purgeInterval: 0 })
+    const store = postgresStore({ ...storeConnection(sql), schema, table, purgeInterval: 0 })
     await store.migrate()
     await store.close()
     provider = await startFakeProvider()
@@ -41,12 +44,18 @@ function suite (url: string): void {
     await provider.close()
     await sql`DROP SCHEMA IF EXISTS ${sql(schema)} CASCADE`
     await sql.end({ timeout: 1 })
+    await endPools()
   })
 
-  const instance = (crash: string, worker = false): Promise<ChildApp> => spawnFixture(t, FIXTURE, {
-    DATABASE_URL: url, IDEM_SCHEMA: schema, IDEM_TABLE: table, PROVIDER_URL: provider.url,
-    IDEM_LEASE: String(LEASE), IDEM_CRASH: crash, IDEM_WORKER: worker ? '1' : ''
-  })
+  async function instance (crash: string, worker = false): Promise<ChildApp> {
+    const app = await spawnFixture(t, FIXTURE, {
+      DATABASE_URL: url, IDEM_SCHEMA: schema, IDEM_TABLE: table, PROVIDER_URL: provider.url,
+      IDEM_LEASE: String(LEASE), IDEM_CRASH: crash, IDEM_WORKER: worker ? '1' : ''
+    })
+    // A run meant for node-postgres must not pass on postgres.js: the fixture says which client it runs on.
+    if (await app.next('client') !== CLIENT) throw new Error(`the fixture does not run its store on ${CLIENT}`)
+    return app
+  }
 
   const order = (port: number, key: string): Promise<Response> => fetch(`http://127.0.0.1:${port}/orders`, {
     method: 'POST', headers: { 'idempotency-key': `"${key}"`, 'content-type': 'application/json' }, body: '{"amount":100}'
