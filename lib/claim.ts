@@ -228,8 +228,12 @@ function becomeOwner (engine: Engine, reply: FastifyReply, state: RequestState, 
     context.sql = result.transaction
     // A client that leaves while the handler runs: Node emits the request's 'close' as soon as its
     // body is read, so onRequestAbort misses it; the response closing before its end does not.
+    // A client that left while the claim waited (for a pool connection, or on another attempt's
+    // lock) closed its response before this listener existed: roll back now, as if it had left
+    // while the handler ran; the key is free for its retry.
     const res = reply.raw
-    res.once('close', () => { if (!res.writableFinished) rollBackForDepartedClient(engine, state) })
+    if (res.closed && !res.writableFinished) rollBackForDepartedClient(engine, state)
+    else res.once('close', () => { if (!res.writableFinished) rollBackForDepartedClient(engine, state) })
   }
 }
 
