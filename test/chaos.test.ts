@@ -335,6 +335,17 @@ t.test('process deaths: the summary names the client and each death\'s cause, fr
     ...Array.from({ length: 200 }, (_, i) => `    _property${i}: false,`),
     '}', '', 'Node.js v20.20.2'
   ].join('\n')
+  // What an app instance printed when the FATAL of pg_terminate_backend reached a client in the
+  // gap of pg-pool's hand-over (test/drivers/node-postgres-handoff.test.ts): a DatabaseError's name is "error".
+  const terminated = [
+    'node:events:502', "      throw er; // Unhandled 'error' event", '      ^', '',
+    'error: terminating connection due to administrator command',
+    '    at parseErrorMessage (/app/node_modules/pg-protocol/src/parser.ts:395:9)',
+    "Emitted 'error' event on Client instance at:",
+    '    at Client._handleErrorEvent (/app/node_modules/pg/lib/client.js:422:10)',
+    "  severity: 'FATAL',", "  code: '57P01',", "  routine: 'ProcessInterrupts'", '}', '', 'Node.js v20.20.2'
+  ].join('\n')
+  t.equal(crashOf('app instance 2', 0, 1, null, terminated).error, "error: terminating connection due to administrator command, an 'error' event on a Client with no listener")
   const nextWrite = [
     'TypeError: Cannot read properties of null (reading \'write\')',
     '    at Immediate.nextWrite (/app/node_modules/postgres/src/connection.js:252:13)'

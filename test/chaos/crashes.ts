@@ -27,10 +27,11 @@ export function crashOf (process: string, at: number, code: number | null, signa
 }
 
 /**
- * The unindented line Node starts an uncaught error with (`TypeError: …`, `Error: …`, or
- * `<ref *1> Error: …` for an error that refers to itself); its stack lines are indented.
+ * The unindented line Node starts an uncaught error with (`TypeError: …`, `Error: …`,
+ * `<ref *1> Error: …` for an error that refers to itself, `error: …` for node-postgres's
+ * DatabaseError, whose name is "error"); its stack lines are indented.
  */
-const isErrorLine = (line: string): boolean => /^(?:<ref \*\d+> )?(?:Uncaught )?[A-Za-z]*(?:Error|Exception)\b/.test(line)
+const isErrorLine = (line: string): boolean => /^(?:<ref \*\d+> )?(?:Uncaught )?(?:[A-Za-z]*(?:Error|Exception)|error)(?: \[\w+\])?:/.test(line)
 
 function lastIndexOf (lines: readonly string[], test: (line: string) => boolean): number {
   for (let i = lines.length - 1; i >= 0; i--) if (test(lines[i] as string)) return i
