@@ -278,6 +278,34 @@ t.test('checker (evidence): each planted defect is reported with its kind', asyn
   }
 })
 
+t.test('checker (evidence): a step whose fn ran on a proven key and whose save reached the store after the lease is counted, not a violation', async (t) => {
+  // The history of the full run that found it (postgres.js, seed 20261203), on the fixtures' times:
+  // step() fenced (renewal sent 506, ok at 508), fn ran at 509, its save was sent at 550 and took
+  // 350 ms, the next renewal too; the lease the fence proved ran out at 806 and a retry took the
+  // key over at 850; the save came back refused at 900.
+  const origin = { pid: 100, instance: 0, scope: slowOp.scope, key: slowOp.key, token: 'tA' }
+  const history = (calls: EvidenceLine[], step: ExecutionSketch['steps'] = [{ name: 'charge', calledAt: 505, ranAt: 509, refusedAt: 900 }]): History => {
+    const h = evidenceHistory(intruder(850))
+    const late: ExecutionSketch = { ...owner, renewUntil: 500, steps: step, handlerEnd: 901, settle: { ev: 'hold', at: 902, ok: false } }
+    return { ...h, evidence: [...h.evidence.filter((line) => line.pid !== 100), ...evidenceOf(late), ...calls].sort((a, b) => a.t - b.t) }
+  }
+  const fence: EvidenceLine = { ...origin, t: 506, end: 508, ev: 'renew', ok: true }
+  const save: EvidenceLine = { ...origin, t: 550, end: 900, ev: 'saveStep', ok: false }
+  const renewal: EvidenceLine = { ...origin, t: 606, end: 950, ev: 'renew', ok: false }
+  const found = history([fence, save, renewal])
+  t.same(kinds(found), [], 'the effect ran fenced; the store answered too late')
+  t.equal(check(found).stats.executions.stepsRefusedAfterFence, 1)
+  t.equal(check(found).stats.executions.reexecutions['store-too-slow'], 1, 'and the takeover is the store-too-slow one')
+
+  const quick = history([fence, { ...save, end: 560 }])
+  // (and, with no renewal in flight, the takeover is one of an owner that stopped renewing)
+  t.same(kinds(quick), ['concurrent-execution', 'unfenced-step'], 'every call answered at once: nothing explains the refusal')
+  const noFence = history([save, renewal], [{ name: 'charge', calledAt: 505, ranAt: 505, refusedAt: 900 }])
+  t.same([...new Set(kinds(noFence))], ['unfenced-step'], 'no renewal between the call and fn (the effect before the fence): still a violation')
+  const stale = history([fence, save, renewal], [{ name: 'charge', calledAt: 505, ranAt: 820, refusedAt: 900 }])
+  t.ok(kinds(stale).includes('unfenced-step'), 'fn started after the lease the fence proved had run out: still a violation')
+})
+
 t.test('checker (evidence): a second execution is allowed when the owner was dead, force-released, cut from the database or could not renew', async (t) => {
   const stopped = (h: History): History => ({ ...h, evidence: h.evidence.filter((line) => !(line.ev === 'renew' && line.token === 'tA' && line.t > 400)) })
   const dead = stopped(evidenceHistory(intruder(800)))
