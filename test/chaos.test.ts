@@ -501,7 +501,7 @@ for (const client of PG_CLIENTS) {
     t.comment(`quick run on ${CLIENT_LABELS[client]}: ${((Date.now() - started) / 1000).toFixed(0)} s`)
     t.equal(code, 0, 'the run passed', { output })
     if (report === null) return
-    t.equal(report.client, client, `the store ran on ${report.clientVersion}`)
+    t.equal(report.client, client, `the run took --client=${client} (${report.clientVersion})`)
     t.same(report.crashes, [], 'no process died (issue 15: the target is 0 on either client)')
     t.same(report.violations, [], 'no violation')
     t.ok(report.stats.operations >= 100, `${report.stats.operations} operations`)
@@ -541,7 +541,7 @@ t.test('planted bugs: each old behaviour (issue 12, cases 1-5) is reported as th
       const run = runs.get(`${client}:${plant}`) as ChaosRun
       const on = `${plant} on ${CLIENT_LABELS[client]}`
       t.equal(run.code, 1, `${on}: the targeted run (--scenario=${scenario ?? ''}) reports violations`, { output: run.output.slice(-4_000) })
-      t.equal(run.report?.client, client, `${on}: the store ran on that client`)
+      t.equal(run.report?.client, client, `${on}: the run took --client=${client}`)
       const found = (run.report?.violations ?? []).filter((v) => v.kind === violation && v.key.startsWith(`${scenario ?? ''}-`))
       t.ok(found.length > 0, `${on}: ${violation} on a ${scenario ?? ''} key (${found.length})`, { kinds: [...new Set(run.report?.violations.map((v) => v.kind))] })
     }
