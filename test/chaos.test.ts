@@ -7,6 +7,9 @@ import path from 'node:path'
 import { fileURLToPath } from 'node:url'
 import t from 'tap'
 import { check, keyHistory, type ViolationKind } from './chaos/checker.js'
+import { crashOf } from './chaos/crashes.js'
+import { CLIENT_LABELS, PG_CLIENTS } from './chaos/database.js'
+import { formatDeaths } from './chaos/deaths.js'
 import { FAULT_KINDS } from './chaos/faults.js'
 import type { EvidenceLine } from './chaos/evidence.js'
 import type { Attempt, Effect, History, Operation } from './chaos/history.js'
@@ -21,8 +24,9 @@ import { startFaultProxy } from './helpers/fault-proxy.js'
  * The chaos harness (test/chaos/): its checker must catch each kind of violation planted in a
  * history (the evidence logs' invariants of issue 12 included), its fault proxy must inject each
  * fault, a quick run against the real plugin (3 instances, PostgreSQL, Redis, Redis Cluster, the
- * fake provider, every fault kind, every lease-boundary scenario) must end with no violation and
- * with evidence that every kind of fault bit and every lease boundary was crossed, and each bug
+ * fake provider, every fault kind, every lease-boundary scenario) must end with no violation, no
+ * process death and with evidence that every kind of fault bit and every lease boundary was
+ * crossed, on each PostgreSQL client (postgres.js and node-postgres, issue 15), and each bug
  * planted in the app (test/chaos/plants.ts) must be reported by a short targeted run.
  */
 
@@ -274,6 +278,34 @@ t.test('checker (evidence): each planted defect is reported with its kind', asyn
   }
 })
 
+t.test('checker (evidence): a step whose fn ran on a proven key and whose save reached the store after the lease is counted, not a violation', async (t) => {
+  // The history of the full run that found it (postgres.js, seed 20261203), on the fixtures' times:
+  // step() fenced (renewal sent 506, ok at 508), fn ran at 509, its save was sent at 550 and took
+  // 350 ms, the next renewal too; the lease the fence proved ran out at 806 and a retry took the
+  // key over at 850; the save came back refused at 900.
+  const origin = { pid: 100, instance: 0, scope: slowOp.scope, key: slowOp.key, token: 'tA' }
+  const history = (calls: EvidenceLine[], step: ExecutionSketch['steps'] = [{ name: 'charge', calledAt: 505, ranAt: 509, refusedAt: 900 }]): History => {
+    const h = evidenceHistory(intruder(850))
+    const late: ExecutionSketch = { ...owner, renewUntil: 500, steps: step, handlerEnd: 901, settle: { ev: 'hold', at: 902, ok: false } }
+    return { ...h, evidence: [...h.evidence.filter((line) => line.pid !== 100), ...evidenceOf(late), ...calls].sort((a, b) => a.t - b.t) }
+  }
+  const fence: EvidenceLine = { ...origin, t: 506, end: 508, ev: 'renew', ok: true }
+  const save: EvidenceLine = { ...origin, t: 550, end: 900, ev: 'saveStep', ok: false }
+  const renewal: EvidenceLine = { ...origin, t: 606, end: 950, ev: 'renew', ok: false }
+  const found = history([fence, save, renewal])
+  t.same(kinds(found), [], 'the effect ran fenced; the store answered too late')
+  t.equal(check(found).stats.executions.stepsRefusedAfterFence, 1)
+  t.equal(check(found).stats.executions.reexecutions['store-too-slow'], 1, 'and the takeover is the store-too-slow one')
+
+  const quick = history([fence, { ...save, end: 560 }])
+  // (and, with no renewal in flight, the takeover is one of an owner that stopped renewing)
+  t.same(kinds(quick), ['concurrent-execution', 'unfenced-step'], 'every call answered at once: nothing explains the refusal')
+  const noFence = history([save, renewal], [{ name: 'charge', calledAt: 505, ranAt: 505, refusedAt: 900 }])
+  t.same([...new Set(kinds(noFence))], ['unfenced-step'], 'no renewal between the call and fn (the effect before the fence): still a violation')
+  const stale = history([fence, save, renewal], [{ name: 'charge', calledAt: 505, ranAt: 820, refusedAt: 900 }])
+  t.ok(kinds(stale).includes('unfenced-step'), 'fn started after the lease the fence proved had run out: still a violation')
+})
+
 t.test('checker (evidence): a second execution is allowed when the owner was dead, force-released, cut from the database or could not renew', async (t) => {
   const stopped = (h: History): History => ({ ...h, evidence: h.evidence.filter((line) => !(line.ev === 'renew' && line.token === 'tA' && line.t > 400)) })
   const dead = stopped(evidenceHistory(intruder(800)))
@@ -316,6 +348,50 @@ t.test('checker (evidence): a key\'s history shows its executions, renewals, ste
   t.match(text, /step "charge" called 0\.110s, fn ran 0\.111s/)
   t.match(text, /complete → true/)
   t.match(keyHistory(evidenceHistory(), BETA, 'held-1'), /hold → true[\s\S]*reconciler: complete/)
+})
+
+t.test('process deaths: the summary names the client and each death\'s cause, from what the process printed', async (t) => {
+  // What Node printed when a node-postgres pool's idle client lost its connection and the pool had
+  // no 'error' listener (a chaos run with the store's listener taken out): the error refers to
+  // itself, and pages of its client's properties follow.
+  const unheard = [
+    'node:events:502', "      throw er; // Unhandled 'error' event", '      ^', '',
+    '<ref *1> Error: read ECONNRESET',
+    '    at TCP.onStreamRead (node:internal/stream_base_commons:218:20)',
+    "Emitted 'error' event on BoundPool instance at:",
+    '    at Client.idleListener (/app/node_modules/pg-pool/index.js:62:10)',
+    ...Array.from({ length: 200 }, (_, i) => `    _property${i}: false,`),
+    '}', '', 'Node.js v20.20.2'
+  ].join('\n')
+  // What an app instance printed when the FATAL of pg_terminate_backend reached a client in the
+  // gap of pg-pool's hand-over (test/drivers/node-postgres-handoff.test.ts): a DatabaseError's name is "error".
+  const terminated = [
+    'node:events:502', "      throw er; // Unhandled 'error' event", '      ^', '',
+    'error: terminating connection due to administrator command',
+    '    at parseErrorMessage (/app/node_modules/pg-protocol/src/parser.ts:395:9)',
+    "Emitted 'error' event on Client instance at:",
+    '    at Client._handleErrorEvent (/app/node_modules/pg/lib/client.js:422:10)',
+    "  severity: 'FATAL',", "  code: '57P01',", "  routine: 'ProcessInterrupts'", '}', '', 'Node.js v20.20.2'
+  ].join('\n')
+  t.equal(crashOf('app instance 2', 0, 1, null, terminated).error, "error: terminating connection due to administrator command, an 'error' event on a Client with no listener")
+  const nextWrite = [
+    'TypeError: Cannot read properties of null (reading \'write\')',
+    '    at Immediate.nextWrite (/app/node_modules/postgres/src/connection.js:252:13)'
+  ].join('\n')
+  const pgDeath = crashOf('app instance 1', 0, 1, null, unheard)
+  t.equal(pgDeath.knownCause, null, 'an unheard connection error is no outside defect: the store is to listen')
+  t.equal(pgDeath.error, "Error: read ECONNRESET, an 'error' event on a BoundPool with no listener")
+  t.match(pgDeath.stderr, /Unhandled 'error' event[\s\S]*Emitted 'error' event on BoundPool/, 'the stderr kept is the error\'s, not the properties after it')
+  const jsDeath = crashOf('app instance 0', 0, 1, null, nextWrite)
+  t.match(jsDeath.knownCause, /porsager\/postgres#1208/)
+
+  t.equal(formatDeaths('pg', []), 'process deaths on node-postgres (died without being killed, restarted by their supervisor; target 0): 0')
+  const line = formatDeaths('pg', [{ ...pgDeath, at: 1 }, { ...pgDeath, at: 2, process: 'reconciler worker' }, { ...jsDeath, at: 3 }])
+  t.match(line, /^process deaths on node-postgres .*: 3: /)
+  t.match(line, /2 × cause unknown: Error: read ECONNRESET, an 'error' event on a BoundPool with no listener \(app instance 1, reconciler worker\)/)
+  t.match(line, /1 × postgres\.js 3\.4\.9: nextWrite\(\) on a closed socket \(porsager\/postgres#1208\) \(app instance 0\)/)
+  t.equal(crashOf('app instance 2', 0, null, 'SIGABRT', '').error, null, 'nothing printed: no error to name')
+  t.match(formatDeaths('postgres', [{ ...crashOf('app instance 2', 0, null, 'SIGABRT', ''), at: 4 }]), /^process deaths on postgres\.js .*: 1: 1 × cause unknown: exit SIGABRT, no error on stderr/)
 })
 
 // ---------------------------------------------------------------------------------------------
@@ -409,52 +485,71 @@ async function runChaos (args: readonly string[], killAfterMs: number): Promise<
   }
 }
 
-// The quick run, the provider-key plant and the five targeted runs take about 3.5 minutes here.
-t.setTimeout(360_000)
+// The two quick runs, the provider-key plant and the ten targeted runs: see the t.comment timings.
+t.setTimeout(600_000)
 
 const seed = Number(process.env.CHAOS_SEED ?? Math.floor(Math.random() * 1_000_000))
 
-t.test('quick chaos run: no violation, every kind of fault bit, every lease boundary crossed', async (t) => {
-  t.comment(`seed ${seed}: reproduce with npm run chaos -- --quick --seed=${seed}`)
-  const { code, output, report } = await runChaos(['--quick', `--seed=${seed}`], 100_000)
-  t.equal(code, 0, 'the run passed', { output })
-  if (report === null) return
-  t.same(report.violations, [], 'no violation')
-  t.ok(report.stats.operations >= 100, `${report.stats.operations} operations`)
-  t.equal(report.stats.completed, report.stats.operations, 'every operation ended with a 2xx')
-  t.equal(report.stats.effects, report.stats.operations, 'one effect per operation')
-  t.ok(report.stats.replaysReceived > 0, 'duplicates were answered with replays')
-  t.ok(report.stats.reusesRefused > 0, 'reused keys were refused')
-  for (const kind of FAULT_KINDS) {
-    t.ok(report.faults[kind].effective >= 1, `${kind} injected with evidence (${report.faults[kind].effective}/${report.faults[kind].injected})`)
-  }
-  t.same(report.faultsMissing, [])
-  for (const boundary of BOUNDARIES) {
-    t.ok(report.stats.executions.boundaries[boundary] >= 1, `${boundary} crossed (${report.stats.executions.boundaries[boundary]} times)`)
-  }
-  t.same(report.boundariesMissing, [])
-})
+// One quick run per client (issue 15), one after the other: two at once on a small machine starve
+// each other's faults and scenarios of time. The seed is the same, so the two runs see the same
+// operations and fault schedule.
+for (const client of PG_CLIENTS) {
+  t.test(`quick chaos run on ${CLIENT_LABELS[client]}: no violation, no process death, every kind of fault bit, every lease boundary crossed`, async (t) => {
+    t.comment(`seed ${seed}: reproduce with npm run chaos -- --quick --client=${client} --seed=${seed}`)
+    const started = Date.now()
+    const { code, output, report } = await runChaos(['--quick', `--client=${client}`, `--seed=${seed}`], 100_000)
+    t.comment(`quick run on ${CLIENT_LABELS[client]}: ${((Date.now() - started) / 1000).toFixed(0)} s`)
+    t.equal(code, 0, 'the run passed', { output })
+    if (report === null) return
+    t.equal(report.client, client, `the run took --client=${client} (${report.clientVersion})`)
+    t.same(report.crashes, [], 'no process died (issue 15: the target is 0 on either client)')
+    t.same(report.violations, [], 'no violation')
+    t.ok(report.stats.operations >= 100, `${report.stats.operations} operations`)
+    t.equal(report.stats.completed, report.stats.operations, 'every operation ended with a 2xx')
+    t.equal(report.stats.effects, report.stats.operations, 'one effect per operation')
+    t.ok(report.stats.replaysReceived > 0, 'duplicates were answered with replays')
+    t.ok(report.stats.reusesRefused > 0, 'reused keys were refused')
+    for (const kind of FAULT_KINDS) {
+      t.ok(report.faults[kind].effective >= 1, `${kind} injected with evidence (${report.faults[kind].effective}/${report.faults[kind].injected})`)
+    }
+    t.same(report.faultsMissing, [])
+    for (const boundary of BOUNDARIES) {
+      t.ok(report.stats.executions.boundaries[boundary] >= 1, `${boundary} crossed (${report.stats.executions.boundaries[boundary]} times)`)
+    }
+    t.same(report.boundariesMissing, [])
+  })
+}
 
-t.test('planted bugs: each old behaviour (issue 12, cases 1-5) is reported as the violation it causes', async (t) => {
+t.test('planted bugs: each old behaviour (issue 12, cases 1-5) is reported as the violation it causes, on each client', async (t) => {
+  // On both clients: two plants run their own SQL on the app's client (plants.ts), and each goes
+  // through the store on that client.
   const plants = PLANTS.filter((plant) => PLANT_TARGETS[plant].scenario !== null)
+  const started = Date.now()
   // Three at a time: each run is mostly waiting (300 ms leases, 1 s ttls, the reconciler's passes).
-  const queue = [...plants]
+  const queue = PG_CLIENTS.flatMap((client) => plants.map((plant) => ({ client, plant })))
   const runs = new Map<string, ChaosRun>()
   await Promise.all([0, 1, 2].map(async () => {
-    for (let plant = queue.shift(); plant !== undefined; plant = queue.shift()) {
-      const scenario = PLANT_TARGETS[plant].scenario as string
-      runs.set(plant, await runChaos([`--scenario=${scenario}`, '--duration=10', `--seed=${seed}`, `--plant=${plant}`], 90_000))
+    for (let next = queue.shift(); next !== undefined; next = queue.shift()) {
+      const scenario = PLANT_TARGETS[next.plant].scenario as string
+      runs.set(`${next.client}:${next.plant}`, await runChaos([`--scenario=${scenario}`, '--duration=10', `--seed=${seed}`, `--plant=${next.plant}`, `--client=${next.client}`], 90_000))
     }
   }))
-  for (const plant of plants) {
-    const { scenario, violation } = PLANT_TARGETS[plant]
-    const run = runs.get(plant) as ChaosRun
-    t.equal(run.code, 1, `${plant}: the targeted run (--scenario=${scenario ?? ''}) reports violations`, { output: run.output.slice(-4_000) })
-    const found = (run.report?.violations ?? []).filter((v) => v.kind === violation && v.key.startsWith(`${scenario ?? ''}-`))
-    t.ok(found.length > 0, `${plant}: ${violation} on a ${scenario ?? ''} key (${found.length})`, { kinds: [...new Set(run.report?.violations.map((v) => v.kind))] })
+  t.comment(`${runs.size} targeted runs: ${((Date.now() - started) / 1000).toFixed(0)} s`)
+  for (const client of PG_CLIENTS) {
+    for (const plant of plants) {
+      const { scenario, violation } = PLANT_TARGETS[plant]
+      const run = runs.get(`${client}:${plant}`) as ChaosRun
+      const on = `${plant} on ${CLIENT_LABELS[client]}`
+      t.equal(run.code, 1, `${on}: the targeted run (--scenario=${scenario ?? ''}) reports violations`, { output: run.output.slice(-4_000) })
+      t.equal(run.report?.client, client, `${on}: the run took --client=${client}`)
+      const found = (run.report?.violations ?? []).filter((v) => v.kind === violation && v.key.startsWith(`${scenario ?? ''}-`))
+      t.ok(found.length > 0, `${on}: ${violation} on a ${scenario ?? ''} key (${found.length})`, { kinds: [...new Set(run.report?.violations.map((v) => v.kind))] })
+    }
   }
 })
 
+// Once, on postgres.js: this plant is the handler's provider key, and lease mode's charge goes
+// through no SQL of the app's, so the client changes nothing of what it tests.
 t.test('planted bug provider-key-per-attempt: a re-run with a fresh provider key charges twice', async (t) => {
   const { code, output, report } = await runChaos(['--quick', '--duration=15', `--seed=${seed}`, '--plant=provider-key-per-attempt'], 90_000)
   t.equal(code, 1, 'the quick run reports violations', { output: output.slice(-4_000) })

@@ -20,7 +20,8 @@ import { nodePostgresTypes } from './node-postgres-types.js'
 
 /** The parts of a node-postgres Pool the driver uses. */
 export interface NodePostgresPool {
-  connect (): Promise<NodePostgresPoolClient>
+  /** The callback form: see checkOut. */
+  connect (callback: (err: Error | undefined, client: NodePostgresPoolClient | undefined, done: (release?: unknown) => void) => void): void
   query (config: QueryConfig): Promise<QueryResult>
   on (event: 'error', listener: (err: Error) => void): unknown
   listenerCount (event: 'error'): number
@@ -101,6 +102,27 @@ function prepared (text: string, values: readonly Value[]): QueryConfig {
   return { name: statementName(text), text, values, rowMode: 'array', types: nodePostgresTypes }
 }
 
+/**
+ * `pool.connect()` with `onError` on the client from the moment pg-pool hands it over. pg-pool
+ * takes its own (idle) listener off the client and then calls back; through `connect()`'s promise
+ * the caller runs a microtask later, which is too late when the hand-over happens inside a socket
+ * read: a `pool.query` finishing on the client releases it, from its ReadyForQuery, to a waiting
+ * `connect()`, and a server message in the same read (the FATAL of `pg_terminate_backend`, which
+ * a busy process reads together with the answer before it) is emitted as an 'error' on a client
+ * with no listener, which throws and ends the process. The chaos harness died of exactly this
+ * (issue 15); the callback is called at the hand-over itself, so no message comes between.
+ */
+function checkOut (pool: NodePostgresPool, onError: (err: Error) => void): Promise<NodePostgresPoolClient> {
+  return new Promise((resolve, reject) => {
+    pool.connect((err, client) => {
+      if (err !== undefined && err !== null) return reject(err)
+      if (client === undefined) return reject(new Error('fastify-idempotency: pool.connect() gave no client'))
+      client.on('error', onError)
+      resolve(client)
+    })
+  })
+}
+
 const rowsOf = (result: QueryResult): Rows => ({ rows: result.rows as unknown[][], count: result.rowCount ?? 0 })
 
 export function nodePostgresClient (pool: NodePostgresPool): DatabaseClient {
@@ -167,10 +189,9 @@ export function nodePostgresClient (pool: NodePostgresPool): DatabaseClient {
     },
     identifier: (name) => `"${name.replaceAll('"', '""')}"`,
     async transaction (body, hooks?: TransactionHooks) {
-      const client = await pool.connect()
       const connection = connectionState()
       const onError = (err: Error): void => { connection.lose(err) }
-      client.on('error', onError)
+      const client = await checkOut(pool, onError)
       const prelude = hooks?.prelude ?? null
       const tx = transactionConnection(client, connection, prelude)
       /** BEGIN was answered and COMMIT not yet sent: a ROLLBACK is due if anything fails. */

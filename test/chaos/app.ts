@@ -1,10 +1,11 @@
 /**
  * One instance of the chaos harness's payments API: a Fastify app using the plugin with the shared
- * Postgres store and a Redis pre-filter (standalone or cluster). Several run side by side on
+ * Postgres store (on postgres.js or node-postgres, CHAOS_PG_CLIENT: database.ts) and a Redis
+ * pre-filter (standalone or cluster). Several run side by side on
  * loopback; the harness kills, restarts and skews them, and cuts each from the database on its own.
  *
  *   POST /payments/atomic  atomic mode: the effect is a ledger row written through the claim's
- *                          transaction (request.idempotency.sql)
+ *                          transaction (request.idempotency.sql: a TransactionSql or a PoolClient)
  *   POST /payments/lease   lease mode: the effect is a charge at the fake provider, made with a key
  *                          derived from (scope, key), so a re-run after a takeover replays it
  *   POST /scenarios/...    the lease-boundary situations (scenario-routes.ts): lease mode with a
@@ -27,10 +28,11 @@ import { randomUUID } from 'node:crypto'
 import { Readable } from 'node:stream'
 import Fastify, { type FastifyReply, type FastifyRequest } from 'fastify'
 import { Cluster, Redis } from 'ioredis'
-import postgres from 'postgres'
 import idempotency, { type IdempotencyContext } from '../../lib/index.js'
 import { postgresStore } from '../../drivers/postgres/index.js'
 import { redisPrefilter } from '../../drivers/redis/index.js'
+import { exec } from '../helpers/postgres-clients.js'
+import { openDatabase, pgClientFromEnv, type PgClient } from './database.js'
 import { providerKeyFor } from './derive.js'
 import { evidenceLog, loggedStore, watchStalls } from './evidence.js'
 import { post } from './http.js'
@@ -41,6 +43,8 @@ interface Settings {
   readonly instance: number
   readonly port: number
   readonly databaseUrl: string
+  /** The client the store runs on (database.ts). */
+  readonly client: PgClient
   /** `standalone:redis://host:port` or `cluster:host:port,host:port,...` */
   readonly redis: string
   readonly providerPort: number
@@ -70,6 +74,7 @@ function settingsFromEnv (env: NodeJS.ProcessEnv): Settings {
     instance: Number(need('CHAOS_INSTANCE')),
     port: Number(need('CHAOS_PORT')),
     databaseUrl: need('CHAOS_DATABASE_URL'),
+    client: pgClientFromEnv(env.CHAOS_PG_CLIENT),
     redis: need('CHAOS_REDIS'),
     providerPort: Number(need('CHAOS_PROVIDER_PORT')),
     leaseMs: Number(env.CHAOS_LEASE_MS ?? '3000'),
@@ -87,19 +92,8 @@ const sleep = (ms: number): Promise<void> => new Promise((resolve) => setTimeout
 const log = evidenceLog(settings.evidenceFile, settings.instance)
 watchStalls(log)
 
-const sql = postgres(settings.databaseUrl, {
-  max: 12,
-  connect_timeout: 3,
-  onnotice: () => {},
-  // postgres.js 3.4.9 fetches array types as the first query of every connection and drops that
-  // promise: a connection reset meanwhile is an unhandled rejection that kills the process
-  // (porsager/postgres#1192). The plugin binds no arrays, so nothing is lost by not fetching.
-  fetch_types: false,
-  // synchronous_commit on for this session: a COMMIT the app saw succeed survives a server crash
-  // (the throwaway server runs with it off). application_name lets the harness terminate exactly
-  // the apps' backends.
-  connection: { application_name: `chaos-app-${settings.instance}`, synchronous_commit: 'on' }
-})
+// application_name lets the harness terminate exactly the apps' backends (the pg-terminate fault).
+const database = openDatabase(settings.client, { url: settings.databaseUrl, max: 12, applicationName: `chaos-app-${settings.instance}` })
 
 function redisClient (): Redis | Cluster {
   // No offline queue and no per-command retries: a Redis outage must fail fast so the pre-filter
@@ -125,10 +119,10 @@ function redisClient (): Redis | Cluster {
 
 const redis = redisClient()
 redis.on('error', () => {})
-const realStore = postgresStore({ sql, purgeInterval: 0 })
+const realStore = postgresStore({ ...database.connection, purgeInterval: 0 })
 /** Keys whose renewals a planted bug skips (abandon- and stream-stops-renewal). */
 const stoppedRenewals: StoppedRenewals = new Set()
-const store = plantedStore(loggedStore(realStore, log), settings.plant, sql, log, stoppedRenewals)
+const store = plantedStore(loggedStore(realStore, log), settings.plant, database.run, log, stoppedRenewals)
 const app = Fastify({ logger: { level: process.env.CHAOS_LOG_LEVEL ?? 'silent' } })
 
 // Authentication stand-in: the account header is the principal (draft §5: keys are scoped to it).
@@ -255,7 +249,7 @@ route('/payments/atomic', 'atomic', { leaseMs: settings.leaseMs, ttlMs: DEFAULT_
   const tx = idem.sql
   if (tx === undefined) throw new Error('not in atomic mode')
   const ref = randomUUID()
-  await tx`INSERT INTO ledger (id, scope, key, amount) VALUES (${ref}, ${idem.scope}, ${idem.key}, ${request.body.amount})`
+  await exec(tx, 'INSERT INTO ledger (id, scope, key, amount) VALUES ($1, $2, $3, $4)', [ref, idem.scope, idem.key, request.body.amount])
   await sleep(Math.random() * settings.handlerDelayMs)
   return reply.code(201).send({ mode: 'atomic', scope: idem.scope, key: idem.key, amount: request.body.amount, ref })
 })
@@ -363,8 +357,7 @@ async function shutdown (): Promise<void> {
   try {
     await app.close()
     await realStore.close()
-    // Bounded: postgres.js 3.4.9's end() can hang after a connection died mid-query (porsager/postgres#1097).
-    await sql.end({ timeout: 1 })
+    await database.end()
     redis.disconnect()
   } finally {
     process.exit(0)

@@ -33,7 +33,9 @@ import { recordId, type Attempt, type Effect, type History, type Operation, type
  *   owner's step must be refused by the fenced store call step() makes first), except when a force
  *   release landed between that step's call and its `fn` (the fence passed just before it).
  * - unfenced-step: no step whose `fn` ran is then refused with LeaseLostError (the effect happened
- *   without the key), unless a force release or a database fault came while `fn` ran.
+ *   without the key), unless a force release or a database fault came while `fn` ran, or the key
+ *   was proven after the step's call and within a lease before `fn` and the store answered the
+ *   owner only after that lease ran out (counted: executions.ts, fencedThenTooSlow).
  *
  * Re-executions that are allowed are counted by reason, and so are the lease boundaries the run
  * crossed (executions.ts, BOUNDARIES): a run that never reached one proves nothing about it.

@@ -1,4 +1,5 @@
 import type { WorkloadSettings } from './clients.js'
+import { PG_CLIENTS, type PgClient } from './database.js'
 import { BOUNDARIES, BOUNDARY_SCENARIOS, type Boundary } from './executions.js'
 import { PLANTS, type Plant } from './plants.js'
 import { SCENARIOS, type Scenario } from './scenario-routes.js'
@@ -6,7 +7,10 @@ import { SCENARIOS, type Scenario } from './scenario-routes.js'
 /**
  * The run's parameters: `tsx test/chaos/run.ts [--quick] [--duration=SECONDS] [--seed=N]
  * [--redis=standalone|cluster|both] [--instances=N] [--report=FILE] [--plant=NAME]
- * [--scenario=NAME[,NAME...]]`.
+ * [--scenario=NAME[,NAME...]] [--client=postgres|pg]`.
+ *
+ * `--client=` picks the PostgreSQL client the apps and the reconciler worker run the store on:
+ * postgres.js (the default) or a node-postgres Pool (database.ts).
  *
  * Full mode (the default) keeps faults coming for `duration` seconds (300), with at least 10,000
  * operations, every fault kind at least 10 times and every lease boundary crossed at least 50 times
@@ -20,6 +24,8 @@ import { SCENARIOS, type Scenario } from './scenario-routes.js'
 export interface ChaosConfig {
   readonly mode: 'full' | 'quick'
   readonly seed: number
+  /** The client of the store under test (database.ts). */
+  readonly client: PgClient
   /** Seconds of load with faults. */
   readonly durationS: number
   /** `both`: the first half on the standalone Redis, then a rolling restart onto the 3-master cluster. */
@@ -52,7 +58,7 @@ export function parseArgs (argv: readonly string[]): ChaosConfig {
     if (match === null) throw new Error(`chaos: unknown argument ${arg}`)
     flags.set(match[1] as string, match[2] ?? 'true')
   }
-  const known = new Set(['quick', 'duration', 'seed', 'redis', 'instances', 'report', 'plant', 'scenario'])
+  const known = new Set(['quick', 'duration', 'seed', 'redis', 'instances', 'report', 'plant', 'scenario', 'client'])
   for (const name of flags.keys()) if (!known.has(name)) throw new Error(`chaos: unknown option --${name}`)
 
   const quick = flags.get('quick') === 'true'
@@ -64,6 +70,8 @@ export function parseArgs (argv: readonly string[]): ChaosConfig {
   const redis = flags.get('redis') ?? (targeted !== null ? 'standalone' : 'both')
   if (redis !== 'standalone' && redis !== 'cluster' && redis !== 'both') throw new Error(`chaos: --redis must be standalone, cluster or both; received ${redis}`)
   const instances = integer(flags.get('instances'), 3, '--instances', 2)
+  const client = (flags.get('client') ?? 'postgres') as PgClient
+  if (!PG_CLIENTS.includes(client)) throw new Error(`chaos: --client takes ${PG_CLIENTS.join(' or ')}; received ${client}`)
   const plant = (flags.get('plant') ?? null) as Plant | null
   if (plant !== null && !PLANTS.includes(plant)) throw new Error(`chaos: --plant takes one of ${PLANTS.join(', ')}; received ${plant}`)
   for (const scenario of targeted ?? []) {
@@ -87,6 +95,7 @@ export function parseArgs (argv: readonly string[]): ChaosConfig {
   return {
     mode: quick ? 'quick' : 'full',
     seed,
+    client,
     durationS,
     redis,
     instances,

@@ -111,6 +111,8 @@ export interface Crash {
   readonly knownCause: string | null
   /** The end of its stderr. */
   readonly stderr: string
+  /** The error its stderr ended with (crashes.ts, fatalError), when it printed one. */
+  readonly error?: string | null
 }
 
 export interface History {

@@ -3,6 +3,7 @@ import { createServer, type AddressInfo } from 'node:net'
 import path from 'node:path'
 import { startFaultProxy, type FaultProxy } from '../helpers/fault-proxy.js'
 import { crashOf } from './crashes.js'
+import type { PgClient } from './database.js'
 import type { Crash, Incarnation } from './history.js'
 import { killChild, shutdownChild, startChild } from './processes.js'
 import type { Random } from './random.js'
@@ -16,6 +17,8 @@ export interface InstanceEnvironment {
    */
   readonly databaseUrl: string
   readonly databaseProxy: { readonly host: string, readonly port: number }
+  /** The client the store runs on (database.ts). */
+  readonly client: PgClient
   readonly providerPort: number
   readonly leaseMs: number
   readonly waitMs: number
@@ -91,6 +94,7 @@ export class AppInstance {
       CHAOS_INSTANCE: String(this.index),
       CHAOS_PORT: String(this.port),
       CHAOS_DATABASE_URL: url.href,
+      CHAOS_PG_CLIENT: env.client,
       CHAOS_EVIDENCE: path.join(env.logDir, `evidence-${this.index}.jsonl`),
       CHAOS_REDIS: this.redis,
       CHAOS_PROVIDER_PORT: String(env.providerPort),

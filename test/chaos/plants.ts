@@ -1,4 +1,3 @@
-import type postgres from 'postgres'
 import type { ClaimRequest, IdempotencyStore, Lease } from '../../lib/store.js'
 import { realNow, type EvidenceLog } from './evidence.js'
 import type { Scenario } from './scenario-routes.js'
@@ -45,12 +44,16 @@ export type StoppedRenewals = Set<string>
 
 const idOf = (scope: string, key: string): string => JSON.stringify([scope, key])
 
+/** Runs one statement with `$n` parameters on the app's own client (database.ts); the rows it affected. */
+export type RunStatement = (text: string, values: ReadonlyArray<string | number>) => Promise<number>
+
 /**
  * The store with the plant's behaviour in front of it: plugin → planted store → logged store →
  * Postgres store. A skipped renewal reaches no store and so is not logged (nothing happened there);
- * the planted SQL is logged as what it did.
+ * the planted SQL is logged as what it did. It runs on the client the store runs on, so a plant
+ * works the same on either.
  */
-export function plantedStore<S extends IdempotencyStore> (store: S, plant: Plant | null, sql: postgres.Sql, log: EvidenceLog, stopped: StoppedRenewals): S {
+export function plantedStore<S extends IdempotencyStore> (store: S, plant: Plant | null, run: RunStatement, log: EvidenceLog, stopped: StoppedRenewals): S {
   if (plant === null || plant === 'provider-key-per-attempt' || plant === 'step-before-fence') return store
   const transactional = new Set<string>()
   const overrides: Record<string, unknown> = {}
@@ -73,10 +76,10 @@ export function plantedStore<S extends IdempotencyStore> (store: S, plant: Plant
       const start = realNow()
       let ok: boolean | null = null
       try {
-        const result = await sql`
-          UPDATE idempotency_records SET lease_expires_at = now() + ${leaseMs}::float8 * interval '1 millisecond'
-          WHERE scope = ${lease.scope} AND key = ${lease.key} AND owner_token = ${lease.token}::uuid AND state = 'in_progress'`
-        ok = result.count === 1
+        const count = await run(`
+          UPDATE idempotency_records SET lease_expires_at = now() + $1::float8 * interval '1 millisecond'
+          WHERE scope = $2 AND key = $3 AND owner_token = $4::uuid AND state = 'in_progress'`, [leaseMs, lease.scope, lease.key, lease.token])
+        ok = count === 1
         return ok
       } finally {
         log({ ev: 'renew', end: Math.round(realNow()), scope: lease.scope, key: lease.key, token: lease.token, ok }, start)
@@ -86,11 +89,11 @@ export function plantedStore<S extends IdempotencyStore> (store: S, plant: Plant
 
   if (plant === 'held-expires') {
     overrides.claim = async (request: ClaimRequest): Promise<Awaited<ReturnType<IdempotencyStore['claim']>>> => {
-      const deleted = await sql`
+      const deleted = await run(`
         DELETE FROM idempotency_records
-        WHERE scope = ${request.scope} AND key = ${request.key} AND state = 'in_progress' AND indeterminate
-          AND created_at <= now() - ${request.ttlMs}::float8 * interval '1 millisecond'`
-      if (deleted.count > 0) log({ ev: 'plant', scope: request.scope, key: request.key, what: 'deleted a held record past its ttl before the claim' })
+        WHERE scope = $1 AND key = $2 AND state = 'in_progress' AND indeterminate
+          AND created_at <= now() - $3::float8 * interval '1 millisecond'`, [request.scope, request.key, request.ttlMs])
+      if (deleted > 0) log({ ev: 'plant', scope: request.scope, key: request.key, what: 'deleted a held record past its ttl before the claim' })
       return await store.claim(request)
     }
   }

@@ -17,11 +17,12 @@ export interface Started {
   readonly child: ChildProcess
   /** The first IPC message the child sent (its `ready`). */
   readonly ready: Record<string, unknown>
-  /** The last few KB the child wrote to stderr: why it died, when it did. */
+  /** The last KBs the child wrote to stderr: why it died, when it did. */
   readonly stderrTail: () => string
 }
 
-const STDERR_TAIL_BYTES = 4096
+/** Enough to still hold the fatal error's first line after the pages of properties Node may print below it. */
+const STDERR_TAIL_BYTES = 32_768
 
 /**
  * Starts `node --import tsx [preloads] script` and waits (bounded) for its `{ type: 'ready' }`.

@@ -1,6 +1,7 @@
 import type { ChildProcess } from 'node:child_process'
 import path from 'node:path'
 import { crashOf } from './crashes.js'
+import type { PgClient } from './database.js'
 import type { Crash } from './history.js'
 import { killChild, startChild } from './processes.js'
 import type { ReconcilerStats } from './reconciler.js'
@@ -21,6 +22,8 @@ export class ReconcilerHandle {
 
   constructor (
     private readonly databaseUrl: string,
+    /** The client the worker runs the store on (database.ts). */
+    private readonly client: PgClient,
     private readonly intervalMs: number,
     olderThanMs: number,
     private readonly logDir: string,
@@ -40,6 +43,7 @@ export class ReconcilerHandle {
   async start (): Promise<void> {
     const started = await startChild('test/chaos/reconciler.ts', {
       CHAOS_DATABASE_URL: this.databaseUrl,
+      CHAOS_PG_CLIENT: this.client,
       CHAOS_INTERVAL_MS: String(this.intervalMs),
       CHAOS_OLDER_THAN_MS: String(this.olderThanMs),
       CHAOS_EVIDENCE: this.evidenceFile

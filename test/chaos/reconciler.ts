@@ -6,15 +6,16 @@
  * Its own loop rather than `store.startReconciler`: that one holds its advisory lock on a
  * `sql.reserve()`d connection, and with postgres.js 3.4.9 `reserve()` never resolves on a fresh
  * connection when `fetch_types` is false (porsager/postgres#751, #1219), while `fetch_types` must be
- * false here (see app.ts). One worker runs, so the lock has nothing to exclude.
+ * false here (see app.ts). One worker runs, so the lock has nothing to exclude. The same loop on
+ * node-postgres (CHAOS_PG_CLIENT=pg, database.ts), so both clients' runs do the same work.
  *
  * Run as `node --import tsx test/chaos/reconciler.ts` with an IPC channel and CHAOS_DATABASE_URL.
  * Sends `{ type: 'ready', available }` (false when the plugin has no reconciler) and
  * `{ type: 'stats', stats }` after every pass; `{ type: 'older-than', ms }` changes its threshold;
  * it exits when the channel closes.
  */
-import postgres from 'postgres'
 import { postgresStore } from '../../drivers/postgres/index.js'
+import { openDatabase, pgClientFromEnv } from './database.js'
 import { evidenceLog } from './evidence.js'
 import { resolveStuck, type Resolution, type StuckRecordView } from './reconcile-policy.js'
 
@@ -48,9 +49,9 @@ const log = evidenceLog(evidenceFile, -1)
 const intervalMs = Number(process.env.CHAOS_INTERVAL_MS ?? '2000')
 let olderThanMs = Number(process.env.CHAOS_OLDER_THAN_MS ?? '4000')
 
-// fetch_types: false for the reason given in app.ts (porsager/postgres#1192).
-const sql = postgres(url, { max: 2, connect_timeout: 3, fetch_types: false, onnotice: () => {}, connection: { application_name: 'chaos-app-reconciler', synchronous_commit: 'on' } })
-const store = postgresStore({ sql, purgeInterval: 0 }) as unknown as Partial<ReconcilingStore>
+// On the apps' client (CHAOS_PG_CLIENT), with the apps' settings; the pg-terminate fault reaches it by its name.
+const database = openDatabase(pgClientFromEnv(process.env.CHAOS_PG_CLIENT), { url, max: 2, applicationName: 'chaos-app-reconciler' })
+const store = postgresStore({ ...database.connection, purgeInterval: 0 }) as unknown as Partial<ReconcilingStore>
 const stats: ReconcilerStats = { passes: 0, examined: 0, completed: 0, resumed: 0, left: 0, errors: 0 }
 
 /** The policy's decision, logged before the store applies it: the checker's end of a hold. */

@@ -1,5 +1,6 @@
 import type { CheckResult, Violation } from './checker.js'
 import type { ChaosConfig } from './config.js'
+import { formatDeaths } from './deaths.js'
 import { BOUNDARIES, type Boundary } from './executions.js'
 import { FAULT_KINDS, type FaultKind } from './faults.js'
 import type { Crash, FaultEvent } from './history.js'
@@ -9,6 +10,10 @@ import type { ReconcilerStats } from './reconciler.js'
 export interface ChaosReport {
   readonly mode: ChaosConfig['mode']
   readonly seed: number
+  /** The client the apps and the reconciler ran the store on. */
+  readonly client: ChaosConfig['client']
+  /** That client's library and version, as installed (`node-postgres 8.23.1`). */
+  readonly clientVersion: string
   readonly durationS: number
   readonly redis: ChaosConfig['redis']
   readonly instances: number
@@ -24,7 +29,7 @@ export interface ChaosReport {
   /** Per kind: scheduled injections and how many of them bit. */
   readonly faults: Readonly<Record<FaultKind, { readonly injected: number, readonly effective: number }>>
   readonly faultEvents: readonly FaultEvent[]
-  /** Processes that died without being killed (each restarted by its supervisor). */
+  /** Processes that died without being killed (each restarted by its supervisor): process deaths, target 0 (deaths.ts). */
   readonly crashes: readonly Crash[]
   /** Kinds below the run's minimum of effective injections; the run fails if any. */
   readonly faultsMissing: readonly FaultKind[]
@@ -82,7 +87,8 @@ export function formatSummary (report: ChaosReport): string {
     ? `${report.durationS} s of faults`
     : `targeted (${report.targeted.join(', ')}): ${report.durationS} s, no faults`
   const lines = [
-    `chaos ${report.targeted === null ? report.mode : 'targeted'} run, seed ${report.seed}${report.plant === null ? '' : `, PLANTED BUG ${report.plant}`}: ${what}, ${report.instances} instances, PostgreSQL store + ${redis}; ${report.elapsedS} s in all`,
+    `chaos ${report.targeted === null ? report.mode : 'targeted'} run, seed ${report.seed}${report.plant === null ? '' : `, PLANTED BUG ${report.plant}`}: ${what}, ${report.instances} instances, PostgreSQL store on ${report.clientVersion} + ${redis}; ${report.elapsedS} s in all`,
+    formatDeaths(report.client, report.crashes),
     `operations: ${n(s.operations)} (${n(s.completed)} answered 2xx${report.throttled > 0 ? `, ${n(report.throttled)} not started: concurrency cap` : ''}); attempts: ${n(s.attempts)}; effects: ${n(s.effects)}`,
     `attempt outcomes: ${outcomes}`,
     `replays received: ${n(s.replaysReceived)}; key reuses refused with 422: ${n(s.reusesRefused)}; provider calls: ${n(report.providerCalls)} (${n(report.providerReplays)} answered from the provider's own key)`,
@@ -94,13 +100,8 @@ export function formatSummary (report: ChaosReport): string {
     `lease-boundary scenarios (lease 300 ms, ttl 1 s where short): ${scenarios === '' ? 'none' : scenarios}; ${n(report.interventions)} force releases and partitions`,
     `executions (from the instances' evidence logs): ${n(e.executions)}; takeovers ${n(e.takeovers)}; re-executions allowed: ${n(r['after-release'])} after a release, ${n(r['after-retention'])} after the retention, ${n(r['resumed-by-reconciler'])} resumed by the reconciler, ${n(r['after-dead-owner'])} after a dead owner, ${n(r['after-hold'])} after a hold (resolved or not: see execution-while-held), ${n(r['after-lapsed-owner'])} after an owner that finished without settling, ${n(r['force-released'])} after a force release, ${n(r['cut-from-db'])} while the owner was cut from the database, ${n(r['store-too-slow'])} while the owner's renewals took longer than its lease, ${n(r['owner-stalled'])} while the owner's process was frozen`,
     `lease boundaries crossed${minimum > 0 ? ` (at least ${n(minimum)} each required)` : ''}: ${crossed === '' ? 'none' : crossed}`,
-    `also: ${n(e.clientDisconnects)} client disconnects seen by a running owner, ${n(e.handlersOutlivingLease)} handlers slower than their lease, ${n(e.holds)} keys held for the reconciler, ${n(e.forceReleases)} force releases, ${n(e.partitions)} partitions of one instance, ${n(e.stepsRefused)} steps refused with LeaseLostError`
+    `also: ${n(e.clientDisconnects)} client disconnects seen by a running owner, ${n(e.handlersOutlivingLease)} handlers slower than their lease, ${n(e.holds)} keys held for the reconciler, ${n(e.forceReleases)} force releases, ${n(e.partitions)} partitions of one instance, ${n(e.stepsRefused)} steps refused with LeaseLostError (${n(e.stepsRefusedAfterFence)} after their fn ran on a proven key: the store answered the owner after its lease)`
   ]
-  if (report.crashes.length > 0) {
-    const causes = new Map<string, number>()
-    for (const crash of report.crashes) causes.set(crash.knownCause ?? 'UNKNOWN CAUSE', (causes.get(crash.knownCause ?? 'UNKNOWN CAUSE') ?? 0) + 1)
-    lines.push(`processes that died on their own (restarted by their supervisor): ${report.crashes.length}: ${[...causes].map(([cause, count]) => `${count} × ${cause}`).join('; ')}`)
-  }
   for (const event of report.faultEvents) {
     if (!event.effective) lines.push(`  no evidence for ${event.kind} at ${(event.at / 1000).toFixed(1)} s: ${event.detail}`)
   }

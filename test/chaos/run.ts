@@ -1,6 +1,7 @@
 /**
- * The chaos harness (issues 6 and 12): `tsx test/chaos/run.ts [--quick] [--duration=SECONDS] [--seed=N]
- * [--redis=standalone|cluster|both] [--instances=N] [--report=FILE] [--plant=NAME] [--scenario=NAME,...]`.
+ * The chaos harness (issues 6, 12 and 15): `tsx test/chaos/run.ts [--quick] [--duration=SECONDS] [--seed=N]
+ * [--redis=standalone|cluster|both] [--instances=N] [--report=FILE] [--plant=NAME] [--scenario=NAME,...]
+ * [--client=postgres|pg]`.
  *
  * Starts a private PostgreSQL, Redis and 3-master Redis Cluster, the fake provider, the reconciler
  * worker and N instances of the payments app behind fault proxies (system.ts); drives operations at
@@ -8,7 +9,8 @@
  * faults.ts); stops the faults and drains (retries every unanswered operation); then reads the
  * evidence logs and checks the history (checker.ts, executions.ts) and prints a summary. Exit
  * status: 0 when there is no violation, every fault kind bit often enough and every lease boundary
- * was crossed often enough, 1 on a violation (the key's history is printed), 2 when the harness
+ * was crossed often enough, 1 on a violation (the key's history is printed) or a process death
+ * (an app or reconciler that died without being killed, on either client), 2 when the harness
  * itself failed, a fault kind was not injected enough, a boundary not crossed enough or too few
  * operations ran.
  */
@@ -20,6 +22,7 @@ import { readEvidence } from './evidence.js'
 import { BOUNDARIES } from './executions.js'
 import { ledgerEffects, providerLog, storedRecords } from './collect.js'
 import { parseArgs, type ChaosConfig } from './config.js'
+import { clientVersion } from './database.js'
 import { FAULT_KINDS, FaultInjector, faultSchedule } from './faults.js'
 import { recordId, type History } from './history.js'
 import { killAll } from './processes.js'
@@ -45,7 +48,7 @@ async function main (config: ChaosConfig): Promise<number> {
   const random = seededRandom(config.seed)
   if (config.plant !== null) log(`PLANTED BUG: ${config.plant}; this run must find violations`)
   const targeted = config.targeted === null ? '' : ` --scenario=${config.targeted.join(',')}`
-  log(`${config.targeted === null ? config.mode : 'targeted'} run, seed ${config.seed} (reproduce with --seed=${config.seed}${config.mode === 'quick' ? ' --quick' : ''} --duration=${config.durationS}${targeted})`)
+  log(`${config.targeted === null ? config.mode : 'targeted'} run on ${clientVersion(config.client)}, seed ${config.seed} (reproduce with --client=${config.client} --seed=${config.seed}${config.mode === 'quick' ? ' --quick' : ''} --duration=${config.durationS}${targeted})`)
 
   services = await startPrivateServices()
   log(`private services: PostgreSQL ${services.database.host}:${services.database.port} (${services.postgres.dataDir}), Redis ${services.redis.address}, cluster ${services.cluster.map((node) => node.address).join(' ')}`)
@@ -106,10 +109,14 @@ async function main (config: ChaosConfig): Promise<number> {
   const crossings = result.stats.executions.boundaries
   const boundariesMissing = BOUNDARIES.filter((boundary) => crossings[boundary] < config.minCrossings[boundary])
   const tooFew = result.stats.operations < config.minOperations
-  const failed = result.violations.length > 0 || faultsMissing.length > 0 || boundariesMissing.length > 0 || tooFew
+  // Issue 15: no process may die on either client (deaths.ts); a death is a finding, like a violation.
+  const died = system.crashes.length > 0
+  const failed = result.violations.length > 0 || died || faultsMissing.length > 0 || boundariesMissing.length > 0 || tooFew
   const report: ChaosReport = {
     mode: config.mode,
     seed: config.seed,
+    client: config.client,
+    clientVersion: clientVersion(config.client),
     durationS: config.durationS,
     redis: config.redis,
     instances: config.instances,
@@ -136,11 +143,12 @@ async function main (config: ChaosConfig): Promise<number> {
 
   process.stdout.write(formatSummary(report) + '\n')
   if (tooFew) process.stdout.write(`TOO FEW OPERATIONS: ${result.stats.operations} < ${config.minOperations}\n`)
+  if (died) process.stdout.write(`PROCESS DEATHS: ${system.crashes.length} (target 0); the end of each one's stderr:\n${system.crashes.map((crash) => `${crash.process} at ${(crash.at / 1000).toFixed(1)} s (${crash.exit}):\n${crash.stderr}`).join('\n')}\n`)
   printViolations(history, result.violations)
   if (config.reportFile !== null) writeFileSync(config.reportFile, JSON.stringify(report, null, 2))
   await system.stop(!failed)
   if (failed) log(`logs kept in ${system.workDir}`)
-  return result.violations.length > 0 ? 1 : failed ? 2 : 0
+  return result.violations.length > 0 || died ? 1 : failed ? 2 : 0
 }
 
 /** Operations at the configured rate and faults on their schedule for `durationS`; halfway, the rollover to the cluster. */

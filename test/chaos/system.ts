@@ -78,7 +78,7 @@ export async function startSystem (config: ChaosConfig, random: Random, now: () 
   }
   // A record counts as stuck two leases after its lease ended: by then a live client has retried.
   const reconcilerEvidence = path.join(workDir, 'evidence-reconciler.jsonl')
-  const reconciler = new ReconcilerHandle(proxiedUrl.href, 2_000, 2 * config.leaseMs, workDir, recordCrash, reconcilerEvidence)
+  const reconciler = new ReconcilerHandle(proxiedUrl.href, config.client, 2_000, 2 * config.leaseMs, workDir, recordCrash, reconcilerEvidence)
   await reconciler.start()
 
   let topology: 'standalone' | 'cluster' = config.redis === 'cluster' ? 'cluster' : 'standalone'
@@ -101,6 +101,7 @@ export async function startSystem (config: ChaosConfig, random: Random, now: () 
   const environment = {
     databaseUrl: proxiedUrl.href,
     databaseProxy: { host: '127.0.0.1', port: dbProxy.port },
+    client: config.client,
     now,
     providerPort: providerProxy.port,
     leaseMs: config.leaseMs,
