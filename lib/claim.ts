@@ -1,6 +1,7 @@
 import type { FastifyReply, FastifyRequest } from 'fastify'
 import type { IdempotencyContext, RequestState } from './context.js'
 import { answer, type Engine } from './engine.js'
+import { StoreTimeoutError } from './errors.js'
 import { observe } from './observe.js'
 import { canonicalFingerprint, customFingerprint, finishRawHash, startRawHash } from './fingerprint.js'
 import { CanonicalLimitError } from './fingerprint-canonical.js'
@@ -137,6 +138,7 @@ async function claimLoop (engine: Engine, request: FastifyRequest, reply: Fastif
         : { outcome: 'in_progress', fingerprint: hit.fingerprint, leaseRemainingMs: 0 }
     } else {
       const asked = Date.now()
+      const sent = performance.now()
       let result: ClaimResult
       try {
         if (settings.transaction) {
@@ -150,6 +152,17 @@ async function claimLoop (engine: Engine, request: FastifyRequest, reply: Fastif
         return storeFailed(engine, request, reply, state, err)
       }
       if (result.outcome === 'acquired') {
+        // The lease runs from when the store applied the claim, no earlier than when it was sent: an
+        // answer back after one lease proves nothing (the lease may have lapsed and another attempt
+        // taken the key over meanwhile; the chaos harness saw a 728 ms claim under a 300 ms lease
+        // start a handler beside the new owner's). Like a renewal answered that late (lifecycle.ts,
+        // fence), it counts as a store failure: the key is given back (fenced by the token) and
+        // nothing runs. Atomic mode has no lease: its open transaction holds the record.
+        if (!settings.transaction && performance.now() - sent >= settings.lease) {
+          releaseLate(engine, state)(result)
+          if (state.markedInFlight) clearInFlight(engine, state)
+          return storeFailed(engine, request, reply, state, new StoreTimeoutError('claim', settings.lease))
+        }
         becomeOwner(engine, reply, state, result)
         return undefined
       }
@@ -237,14 +250,14 @@ function becomeOwner (engine: Engine, reply: FastifyReply, state: RequestState, 
   }
 }
 
-/** A claim that lands after its timeout was answered 503 (or bypassed): give the key back at once. */
+/** A claim that lands after its timeout, or after its lease, was answered 503 (or bypassed): give the key back at once. */
 function releaseLate (engine: Engine, state: RequestState) {
   return (result: ClaimResult): void => {
     if (result.outcome !== 'acquired') return
     engine.store.release(result.lease).then(
       (released) => {
-        if (released) observe(engine.metrics, state, 'released', 'warn', 'idempotency: released a claim that landed after storeTimeout')
-        else observe(engine.metrics, state, 'lease_lost', 'warn', 'idempotency: a claim landed after storeTimeout and was taken over before it could be released')
+        if (released) observe(engine.metrics, state, 'released', 'warn', 'idempotency: released a claim that landed after storeTimeout or after its lease')
+        else observe(engine.metrics, state, 'lease_lost', 'warn', 'idempotency: a claim landed after storeTimeout or after its lease and was taken over before it could be released')
       },
       (err: unknown) => observe(engine.metrics, state, 'store_error', 'error', 'idempotency: could not release a late claim; it frees itself when its lease expires', err)
     )

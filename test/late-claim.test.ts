@@ -1,0 +1,88 @@
+import Fastify from 'fastify'
+import t from 'tap'
+import idempotency, { memoryStore, type IdempotencyStore } from '../lib/index.js'
+import { PROBLEM_TYPE } from './helpers/app.js'
+
+/*
+ * A lease-mode claim that the store answers only after one lease (chaos harness, node-postgres full
+ * run: a 728 ms claim under a 300 ms lease started its handler while another instance, which had
+ * taken the lapsed key over, ran the same operation). The answer proves nothing about now, so the
+ * handler must not run: the key is given back and the client gets the store's 503.
+ */
+
+const LEASE = 100
+const keyed = (key: string): Record<string, string> => ({ 'idempotency-key': `"${key}"`, 'content-type': 'application/json' })
+const sleep = (ms: number): Promise<void> => new Promise((resolve) => setTimeout(resolve, ms))
+
+/** The memory store, with the claims of keys starting `slow-` answered `delayMs` after they were applied. */
+function slowClaims (delayMs: number, store: IdempotencyStore = memoryStore({ purgeInterval: 0 })): IdempotencyStore & { readonly inner: IdempotencyStore } {
+  return new Proxy(store, {
+    get (target, property, receiver) {
+      if (property === 'inner') return target
+      if (property === 'claim') {
+        return async (...args: Parameters<IdempotencyStore['claim']>) => {
+          const result = await target.claim(...args)
+          if (args[0].key.startsWith('slow-')) await sleep(delayMs)
+          return result
+        }
+      }
+      const value: unknown = Reflect.get(target, property, receiver)
+      return typeof value === 'function' ? (value as (...a: unknown[]) => unknown).bind(target) : value
+    }
+  }) as IdempotencyStore & { readonly inner: IdempotencyStore }
+}
+
+async function appOn (store: IdempotencyStore): Promise<{ app: ReturnType<typeof Fastify>, runs: () => number }> {
+  const app = Fastify()
+  // `wait` makes the claim go through the store's promise, as every store but the memory store's
+  // synchronous path does (a Postgres or Redis-fronted claim).
+  await app.register(idempotency, { store, scope: () => 't', lease: LEASE, storeTimeout: 2000, wait: 1 })
+  let runs = 0
+  app.post('/pay', async (_request, reply) => { runs++; return reply.code(201).send({ run: runs }) })
+  return { app, runs: () => runs }
+}
+
+t.test('a claim answered after its lease: the handler does not run, the key is given back, 503', async (t) => {
+  const store = slowClaims(LEASE + 50)
+  const { app, runs } = await appOn(store)
+  t.teardown(() => app.close())
+  const late = await app.inject({ method: 'POST', url: '/pay', headers: keyed('slow-1'), payload: {} })
+  t.equal(late.statusCode, 503, 'the store failure answer')
+  t.equal(late.json().type, PROBLEM_TYPE('store-unavailable'))
+  t.ok(late.headers['retry-after'] !== undefined, 'with Retry-After')
+  t.equal(runs(), 0, 'the handler did not run on an unproven lease')
+  t.equal(await store.get({ scope: 't', key: 'slow-1' }), null, 'the claim was released: the key is not stuck for a lease')
+})
+
+t.test('a claim answered within its lease runs as usual', async (t) => {
+  const store = slowClaims(LEASE / 4)
+  const { app, runs } = await appOn(store)
+  t.teardown(() => app.close())
+  const first = await app.inject({ method: 'POST', url: '/pay', headers: keyed('slow-2'), payload: {} })
+  t.equal(first.statusCode, 201)
+  const again = await app.inject({ method: 'POST', url: '/pay', headers: keyed('slow-2'), payload: {} })
+  t.equal(again.headers['idempotent-replayed'], 'true')
+  t.equal(runs(), 1)
+})
+
+t.test('the late claim taken over meanwhile: the new owner runs once, the late one not at all', async (t) => {
+  const store = slowClaims(LEASE * 3)
+  const { app, runs } = await appOn(store)
+  t.teardown(() => app.close())
+  // The first attempt's claim is applied at once and answered three leases later; meanwhile its
+  // lease lapses and the retry (the same request) takes the key over through a store that answers at once.
+  const late = app.inject({ method: 'POST', url: '/pay', headers: keyed('slow-3'), payload: {} })
+  await sleep(LEASE * 1.5)
+  const fast = Fastify()
+  t.teardown(() => fast.close())
+  await fast.register(idempotency, { store: slowClaims(0, store.inner), scope: () => 't', lease: LEASE, storeTimeout: 2000, wait: 1 })
+  let fastRuns = 0
+  fast.post('/pay', async (_request, reply) => { fastRuns++; return reply.code(201).send({ run: 'retry' }) })
+  const retry = await fast.inject({ method: 'POST', url: '/pay', headers: keyed('slow-3'), payload: {} })
+  t.equal(retry.statusCode, 201, 'the retry took the lapsed key over and ran')
+  t.equal((await late).statusCode, 503, 'the late attempt answers 503')
+  t.equal(runs(), 0, 'and never ran: one execution for the key')
+  t.equal(fastRuns, 1)
+  const record = await store.get({ scope: 't', key: 'slow-3' })
+  t.equal(record?.state, 'completed', "the retry's outcome stands (the late release was fenced out)")
+})
