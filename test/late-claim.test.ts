@@ -86,3 +86,53 @@ t.test('the late claim taken over meanwhile: the new owner runs once, the late o
   const record = await store.get({ scope: 't', key: 'slow-3' })
   t.equal(record?.state, 'completed', "the retry's outcome stands (the late release was fenced out)")
 })
+
+t.test('a late takeover is not released: the recorded steps of the operation it took over stay', async (t) => {
+  const inner = memoryStore({ purgeInterval: 0 })
+  let slow = false
+  // The first owner's renewals answer true without extending its lease: it runs on while its lease
+  // lapses, as an owner cut from the store would.
+  const store = new Proxy(inner, {
+    get (target, property) {
+      if (property === 'renew') return async () => true
+      if (property === 'claim') {
+        return async (...args: Parameters<IdempotencyStore['claim']>) => {
+          const result = await target.claim(...args)
+          if (slow) await sleep(LEASE * 2)
+          return result
+        }
+      }
+      const value: unknown = Reflect.get(target, property)
+      return typeof value === 'function' ? (value as (...a: unknown[]) => unknown).bind(target) : value
+    }
+  })
+  const app = Fastify()
+  const hang = deferredGate()
+  t.teardown(async () => { hang.open(); await app.close() })
+  await app.register(idempotency, { store, scope: () => 't', lease: LEASE, storeTimeout: 2000, wait: 1 })
+  let runs = 0
+  app.post('/steps', async (request, reply) => {
+    runs++
+    await request.idempotency!.step('reserve', () => 'reserved')
+    await hang.wait
+    return reply.code(201).send({ run: runs })
+  })
+  const original = app.inject({ method: 'POST', url: '/steps', headers: keyed('steps-1'), payload: {} })
+  for (let i = 0; i < 100 && (await inner.inspect?.({ scope: 't', key: 'steps-1' }))?.steps.reserve === undefined; i++) await sleep(10)
+  await sleep(LEASE * 1.5) // the lease has lapsed
+  slow = true
+  const retry = await app.inject({ method: 'POST', url: '/steps', headers: keyed('steps-1'), payload: {} })
+  t.equal(retry.statusCode, 503, 'the takeover was answered after its lease: 503')
+  t.equal(runs, 1, 'the retry ran nothing')
+  const record = await inner.inspect?.({ scope: 't', key: 'steps-1' })
+  t.equal(record?.state, 'in_progress', 'the record is still there')
+  t.same(record?.steps, { reserve: 'reserved' }, 'with the step the first owner recorded: a later takeover continues from it')
+  hang.open()
+  await original
+})
+
+function deferredGate (): { wait: Promise<void>, open: () => void } {
+  let open!: () => void
+  const wait = new Promise<void>((resolve) => { open = resolve })
+  return { wait, open }
+}

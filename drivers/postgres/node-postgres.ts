@@ -194,14 +194,16 @@ export function nodePostgresClient (pool: NodePostgresPool): DatabaseClient {
       const client = await checkOut(pool, onError)
       const prelude = hooks?.prelude ?? null
       const tx = transactionConnection(client, connection, prelude)
-      /** BEGIN was answered and COMMIT not yet sent: a ROLLBACK is due if anything fails. */
+      /** BEGIN was sent and COMMIT not yet: a ROLLBACK is due if anything fails. */
       let open = false
       /** The connection is in a state no one should reuse (a ROLLBACK that failed). */
       let broken: Error | null = null
       try {
         // One round trip for BEGIN and what must follow it (atomic mode: the claim's lock timeout).
-        await tx.simple(prelude === null ? 'BEGIN' : `BEGIN; ${prelude}`)
+        // Open from here: if the prelude fails after BEGIN, the client must not go back to the pool
+        // inside an aborted transaction block (a ROLLBACK without one is only a warning).
         open = true
+        await tx.simple(prelude === null ? 'BEGIN' : `BEGIN; ${prelude}`)
         const result = await body(tx)
         if (connection.lost !== null) throw connection.lost
         open = false
