@@ -254,10 +254,12 @@ function becomeOwner (engine: Engine, reply: FastifyReply, state: RequestState, 
 function releaseLate (engine: Engine, state: RequestState) {
   return (result: ClaimResult): void => {
     if (result.outcome !== 'acquired') return
-    if (result.takeover) {
-      // A takeover holds the record of an operation that may have run partly (its recorded steps):
-      // releasing it would delete them, and a retry would repeat those effects. Left alone, its
-      // lease lapses within one lease and the next retry takes it over with its steps.
+    if (result.takeover && result.transaction === undefined) {
+      // Lease mode: a takeover holds the record of an operation that may have run partly (its
+      // recorded steps): releasing it would delete them, and a retry would repeat those effects.
+      // Left alone, its lease lapses within one lease and the next retry takes it over with its
+      // steps. (Atomic mode's release is a ROLLBACK, which undoes the takeover and keeps the record,
+      // and must be sent: the transaction holds a connection and the row's lock.)
       observe(engine.metrics, state, 'store_error', 'warn', 'idempotency: a takeover landed after storeTimeout or after its lease; left to lapse so that its recorded steps stay')
       return
     }

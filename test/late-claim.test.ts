@@ -136,3 +136,27 @@ function deferredGate (): { wait: Promise<void>, open: () => void } {
   const wait = new Promise<void>((resolve) => { open = resolve })
   return { wait, open }
 }
+
+t.test('atomic mode: a takeover that lands after storeTimeout is still rolled back (its transaction holds a connection and a lock)', async (t) => {
+  const inner = memoryStore({ purgeInterval: 0 })
+  const released: string[] = []
+  // A store with atomic mode whose claims land after storeTimeout, as takeovers with an open transaction.
+  const store: IdempotencyStore = Object.assign(Object.create(inner) as IdempotencyStore, {
+    claim: inner.claim.bind(inner),
+    release: async (lease: { token: string }) => { released.push(lease.token); return true },
+    claimInTransaction: async (request: Parameters<IdempotencyStore['claim']>[0]) => {
+      await sleep(150)
+      return { outcome: 'acquired' as const, lease: { scope: request.scope, key: request.key, token: 'tx-token' }, takeover: true, transaction: {} }
+    }
+  })
+  const app = Fastify()
+  t.teardown(() => app.close())
+  await app.register(idempotency, { store, scope: () => 't', storeTimeout: 50, transaction: true })
+  let runs = 0
+  app.post('/pay', async (_request, reply) => { runs++; return reply.code(201).send({}) })
+  const res = await app.inject({ method: 'POST', url: '/pay', headers: keyed('atomic-late'), payload: {} })
+  t.equal(res.statusCode, 503)
+  t.equal(runs, 0)
+  for (let i = 0; i < 50 && released.length === 0; i++) await sleep(10)
+  t.same(released, ['tx-token'], 'the late takeover was released: its transaction rolls back')
+})
