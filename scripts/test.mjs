@@ -15,6 +15,7 @@ import os from 'node:os'
 import path from 'node:path'
 import { fileURLToPath } from 'node:url'
 import { startServices } from './services.mjs'
+import { tapFailures } from './tap-failures.mjs'
 
 // Recursion guard: if tap ever picks this file up as a test (its default include
 // matches `**/test.*`), do nothing instead of starting a nested run.
@@ -37,9 +38,11 @@ const tapArgs = [
 let services = null // { env, stop }
 let tapChild = null
 let captured = '' // tail of tap's stdout, for the summary
+const failures = tapFailures() // every failed test's path, printed before the summary
 let finishing = false
 
 const CAPTURE_LIMIT = 256 * 1024
+const FAILURES_SHOWN = 40
 
 function stopServices () {
   if (services) services.stop.sync()
@@ -113,8 +116,11 @@ function finish (exitCode, counts = parseSummary(captured)) {
   killTap()
   stopServices()
   if (!counts && exitCode === 0) exitCode = 1
+  const failed = failures.end()
+  const shown = failed.slice(0, FAILURES_SHOWN).map((f) => `[failed] ${f}\n`).join('')
+  const more = failed.length > FAILURES_SHOWN ? `[failed] … and ${failed.length - FAILURES_SHOWN} more\n` : ''
   const line = summaryLine(counts, exitCode) + '\n'
-  process.stdout.write(line, () => process.exit(exitCode))
+  process.stdout.write(shown + more + line, () => process.exit(exitCode))
   // if stdout is gone (EPIPE) the callback may never run
   setTimeout(() => process.exit(exitCode), 2000).unref()
 }
@@ -222,7 +228,7 @@ function runTap (env) {
       captured += d
       if (captured.length > CAPTURE_LIMIT * 2) captured = captured.slice(-CAPTURE_LIMIT)
     }
-    tapChild.stdout.on('data', (d) => { process.stdout.write(d); keep(d) })
+    tapChild.stdout.on('data', (d) => { process.stdout.write(d); keep(d); failures.write(String(d)) })
     tapChild.stderr.on('data', (d) => { process.stderr.write(d) })
     let code = null
     const done = () => resolve(code)
