@@ -32,6 +32,7 @@ import { median, RATIOS, ratioName, setupsOf, type RatioPair } from './ratios.js
 import { BODY } from './route.js'
 import { benchServices } from './services.js'
 import { pinning } from './pinning.js'
+import { cpuUsPerRequest, measuredCpuMs } from './measured-cpu.js'
 import { createBenchSchema, describeDatabase, truncateBenchSchema } from './schema.js'
 
 const ROOT = fileURLToPath(new URL('..', import.meta.url))
@@ -83,6 +84,8 @@ interface Measurement {
   errors: { connect: number, read: number, write: number, status: number, timeout: number }
   p50Us: number
   p99Us: number
+  /** The measured side's CPU per request (benchmarks/measured-cpu.ts), µs; null off Linux. */
+  measuredCpuUsPerRequest: number | null
   executions: number
   problems: string[]
 }
@@ -100,7 +103,7 @@ const SCHEMA = `cross_${randomBytes(4).toString('hex')}`
 const admin = postgres(DATABASE_URL, { max: 1, onnotice: () => {} })
 
 /** A benchmark server (server.ts) for `setup`; resolves once it listens, with its URL and a stop. */
-function serve (setup: string): Promise<{ url: string, stop: () => Promise<void> }> {
+function serve (setup: string): Promise<{ url: string, pid: number, stop: () => Promise<void> }> {
   const [command, argv] = PIN.measured(process.execPath, ['--import', 'tsx', path.join(ROOT, 'benchmarks', 'server.ts')])
   const child = spawn(command, argv, {
     cwd: ROOT,
@@ -114,7 +117,8 @@ function serve (setup: string): Promise<{ url: string, stop: () => Promise<void>
     createInterface({ input: child.stdout! }).on('line', (line) => {
       const port = /^\{"port":(\d+)\}$/.exec(line)?.[1]
       if (port === undefined) return
-      resolve({ url: `http://127.0.0.1:${port}`, stop: async () => { child.kill('SIGTERM'); await exit } })
+      // taskset (--pin) execs the server, so the child's pid is the server's
+      resolve({ url: `http://127.0.0.1:${port}`, pid: child.pid!, stop: async () => { child.kill('SIGTERM'); await exit } })
     })
   })
 }
@@ -127,7 +131,7 @@ async function executions (url: string): Promise<number> {
 let wrkRuns = 0
 
 /** One wrk run: its summary line (crosscheck.lua's done()). */
-function runWrk (url: string, mode: Mode, tag: string, seconds: number, connections: number): Promise<Omit<Measurement, 'round' | 'scenario' | 'setup' | 'executions' | 'problems'>> {
+function runWrk (url: string, mode: Mode, tag: string, seconds: number, connections: number): Promise<Omit<Measurement, 'round' | 'scenario' | 'setup' | 'executions' | 'problems' | 'measuredCpuUsPerRequest'>> {
   return new Promise((resolve, reject) => {
     const [command, argv] = PIN.generator(WRK, ['-t', String(THREADS), '-c', String(connections), '-d', `${seconds}s`, '--timeout', '10s', '-s', LUA, `${url}/pay`])
     const child = spawn(command, argv, {
@@ -172,7 +176,9 @@ async function measure (round: number, scenario: Mode, setup: string, server: Se
   const initial = await executions(server.url)
   if (WARMUP_SECONDS > 0) await runWrk(server.url, scenario, tag, WARMUP_SECONDS, connections)
   const before = await executions(server.url)
+  const cpuStart = measuredCpuMs(server.pid)
   const run = await runWrk(server.url, scenario, tag, SECONDS, connections)
+  const cpuEnd = measuredCpuMs(server.pid)
   const after = await executions(server.url)
   const problems: string[] = []
   const { connect, read, write, timeout, status } = run.errors
@@ -188,7 +194,7 @@ async function measure (round: number, scenario: Mode, setup: string, server: Se
   // The peer's adapter runs the handler for a replay whose client disconnected (peer-glue.ts):
   // reported, not a failure of the harness.
   const tolerated = setup.startsWith('peer-') && scenario !== 'fresh'
-  return { round, scenario, setup, ...run, executions: executed, problems: tolerated ? problems.map((p) => `${p} (the peer's adapter: see peer-glue.ts)`) : problems }
+  return { round, scenario, setup, ...run, measuredCpuUsPerRequest: cpuUsPerRequest(cpuStart, cpuEnd, run.requests), executions: executed, problems: tolerated ? problems.map((p) => `${p} (the peer's adapter: see peer-glue.ts)`) : problems }
 }
 
 /**
@@ -227,7 +233,8 @@ async function measureAll (plan: Array<{ scenario: Mode, setups: string[] }>, on
 
 // --- the comparison ------------------------------------------------------------------------------
 
-interface RunTsResult { path: string, date: string, quick: boolean, ratios: Map<string, number> }
+/** A run.ts result's ratios by name: of req/s (`ratios`) and per CPU of the measured side (`cpuRatios`). */
+interface RunTsResult { path: string, date: string, quick: boolean, ratios: Map<string, number>, cpuRatios: Map<string, number> }
 
 /** The latest run.ts result (by its date; a full one for a full crosscheck), or --against. */
 function latestRunTs (): RunTsResult | null {
@@ -236,17 +243,20 @@ function latestRunTs (): RunTsResult | null {
     : existsSync(RESULTS) ? readdirSync(RESULTS).filter((f) => f.endsWith('.json')).map((f) => path.join(RESULTS, f)) : []
   const found: RunTsResult[] = []
   for (const file of files) {
-    let json: { benchmark?: string, date?: string, quick?: boolean, ratios?: Array<{ name: string, ratio: number | null }>, scenarios?: Record<string, { setups: Array<{ setup: string, ratioTo?: Record<string, number> }> }> }
+    let json: { benchmark?: string, date?: string, quick?: boolean, ratios?: Array<{ name: string, ratio: number | null, cpuRatio?: number | null }>, scenarios?: Record<string, { setups: Array<{ setup: string, ratioTo?: Record<string, number>, cpuRatioTo?: Record<string, number> }> }> }
     try { json = JSON.parse(readFileSync(file, 'utf8')) } catch { continue }
     if (json.benchmark !== 'postgres' || typeof json.date !== 'string') continue
     const ratios = new Map<string, number>()
+    const cpuRatios = new Map<string, number>()
     for (const pair of RATIOS) {
-      const listed = json.ratios?.find((r) => r.name === ratioName(pair))?.ratio
-      const fromRows = json.scenarios?.[pair.scenario]?.setups.find((row) => row.setup === pair.setup)?.ratioTo?.[pair.to]
-      const value = listed ?? fromRows
+      const listed = json.ratios?.find((r) => r.name === ratioName(pair))
+      const row = json.scenarios?.[pair.scenario]?.setups.find((r) => r.setup === pair.setup)
+      const value = listed?.ratio ?? row?.ratioTo?.[pair.to]
+      const cpu = listed?.cpuRatio ?? row?.cpuRatioTo?.[pair.to]
       if (typeof value === 'number') ratios.set(ratioName(pair), value)
+      if (typeof cpu === 'number') cpuRatios.set(ratioName(pair), cpu)
     }
-    found.push({ path: file, date: json.date, quick: json.quick === true, ratios })
+    found.push({ path: file, date: json.date, quick: json.quick === true, ratios, cpuRatios })
   }
   // A full crosscheck is compared with a full run when there is one, not with a later quick one.
   const comparable = QUICK ? found : found.filter((r) => !r.quick)
@@ -280,45 +290,71 @@ try {
   const find = (round: number, scenario: Mode, setup: string): Measurement | undefined => measurements.find((m) => m.round === round && m.scenario === scenario && m.setup === setup)
   const ratios = RATIOS.map((pair) => {
     const byRound: number[] = []
+    const cpuByRound: number[] = []
     for (let round = 1; round <= ROUNDS; round++) {
       const a = find(round, pair.scenario, pair.setup)
       const b = find(round, pair.scenario, pair.to)
-      if (a !== undefined && b !== undefined) byRound.push(Math.round(a.requestsPerSecond / b.requestsPerSecond * 1000) / 1000)
+      if (a === undefined || b === undefined) continue
+      byRound.push(Math.round(a.requestsPerSecond / b.requestsPerSecond * 1000) / 1000)
+      // requests per CPU-second of the measured side, a's over b's
+      if (a.measuredCpuUsPerRequest !== null && b.measuredCpuUsPerRequest !== null && a.measuredCpuUsPerRequest > 0) {
+        cpuByRound.push(Math.round(b.measuredCpuUsPerRequest / a.measuredCpuUsPerRequest * 1000) / 1000)
+      }
     }
-    return { ...pair, name: ratioName(pair), ratio: byRound.length > 0 ? median(byRound) : null, byRound }
+    return { ...pair, name: ratioName(pair), ratio: byRound.length > 0 ? median(byRound) : null, byRound, cpuRatio: cpuByRound.length > 0 ? median(cpuByRound) : null, cpuByRound }
   })
 
-  const rows = [['scenario / setup', 'req/s (median)', 'p50 µs', 'p99 µs', 'req/s by round']]
+  const rows = [['scenario / setup', 'req/s (median)', 'p50 µs', 'p99 µs', 'CPU µs/req', 'req/s by round']]
   for (const { scenario, setups } of plan) {
     for (const setup of setups) {
       const mine = measurements.filter((m) => m.scenario === scenario && m.setup === setup)
       rows.push([`${scenario} / ${setup}`, Math.round(median(mine.map((m) => m.requestsPerSecond))).toLocaleString('en-US'),
-        String(median(mine.map((m) => m.p50Us))), String(median(mine.map((m) => m.p99Us))), mine.map((m) => m.requestsPerSecond.toLocaleString('en-US')).join(' ')])
+        String(median(mine.map((m) => m.p50Us))), String(median(mine.map((m) => m.p99Us))),
+        String(Math.round(median(mine.map((m) => m.measuredCpuUsPerRequest ?? NaN)))), mine.map((m) => m.requestsPerSecond.toLocaleString('en-US')).join(' ')])
     }
   }
 
   const reference = latestRunTs()
+  const differenceOf = (mine: number | null, theirs: number | null): number | null =>
+    mine === null || theirs === null ? null : Math.round((mine / theirs - 1) * 1000) / 1000
   const comparison = ratios.map((r) => {
     const theirs = reference?.ratios.get(r.name) ?? null
-    const difference = theirs === null || r.ratio === null ? null : Math.round((r.ratio / theirs - 1) * 1000) / 1000
-    return { name: r.name, crosscheck: r.ratio, runTs: theirs, difference, flagged: difference !== null && Math.abs(difference) > TOLERANCE }
+    const difference = differenceOf(r.ratio, theirs)
+    const cpuTheirs = reference?.cpuRatios.get(r.name) ?? null
+    const cpuDifference = differenceOf(r.cpuRatio, cpuTheirs)
+    return {
+      name: r.name,
+      crosscheck: r.ratio,
+      runTs: theirs,
+      difference,
+      flagged: difference !== null && Math.abs(difference) > TOLERANCE,
+      cpuCrosscheck: r.cpuRatio,
+      cpuRunTs: cpuTheirs,
+      cpuDifference,
+      cpuFlagged: cpuDifference !== null && Math.abs(cpuDifference) > TOLERANCE
+    }
   })
-  const compareRows = [['ratio', 'crosscheck (wrk)', 'run.ts (autocannon)', 'difference', '']]
+  const percent = (d: number | null): string => d === null ? '—' : `${d >= 0 ? '+' : ''}${(d * 100).toFixed(1)}%`
+  const verdict = (d: number | null, flagged: boolean): string => d === null ? 'not compared' : flagged ? `DIFFERS by more than ${TOLERANCE * 100}%` : 'agrees'
+  const compareRows = [['ratio', 'req/s: wrk', 'autocannon', 'difference', '', 'per CPU: wrk', 'autocannon', 'difference', '']]
   for (const c of comparison) {
-    compareRows.push([c.name, c.crosscheck?.toFixed(3) ?? '—', c.runTs?.toFixed(3) ?? '—',
-      c.difference === null ? '—' : `${c.difference >= 0 ? '+' : ''}${(c.difference * 100).toFixed(1)}%`,
-      c.difference === null ? 'not compared' : c.flagged ? `DIFFERS by more than ${TOLERANCE * 100}%` : 'agrees'])
+    compareRows.push([c.name, c.crosscheck?.toFixed(3) ?? '—', c.runTs?.toFixed(3) ?? '—', percent(c.difference), verdict(c.difference, c.flagged),
+      c.cpuCrosscheck?.toFixed(3) ?? '—', c.cpuRunTs?.toFixed(3) ?? '—', percent(c.cpuDifference), verdict(c.cpuDifference, c.cpuFlagged)])
   }
   const flagged = comparison.filter((c) => c.flagged)
   const compared = comparison.filter((c) => c.difference !== null)
+  const cpuFlagged = comparison.filter((c) => c.cpuFlagged)
+  const cpuCompared = comparison.filter((c) => c.cpuDifference !== null)
   process.stdout.write([
     `crosscheck: wrk against benchmarks/server.ts, ${ROUNDS} interleaved round(s), medians of per-round ratios${QUICK ? ' (quick mode: figures only show that it runs)' : ''}`,
     pad(rows),
-    ['ratios:', ...ratios.map((r) => `- ${r.name}: ${r.ratio === null ? '—' : r.ratio.toFixed(3)}${r.byRound.length > 1 ? ` (rounds: ${r.byRound.map((v) => v.toFixed(3)).join(' ')})` : ''}`)].join('\n'),
+    ['ratios (of req/s; per CPU of the measured side):', ...ratios.map((r) => `- ${r.name}: ${r.ratio === null ? '—' : r.ratio.toFixed(3)}${r.byRound.length > 1 ? ` (rounds: ${r.byRound.map((v) => v.toFixed(3)).join(' ')})` : ''}` +
+      `; ${r.cpuRatio === null ? '—' : r.cpuRatio.toFixed(3)}${r.cpuByRound.length > 1 ? ` (rounds: ${r.cpuByRound.map((v) => v.toFixed(3)).join(' ')})` : ''}`)].join('\n'),
     reference === null
       ? 'comparison: no run.ts result in benchmarks/results/ (run `npm run bench` first, or pass --against)'
       : `comparison with run.ts (${path.relative(ROOT, reference.path)}, ${reference.date}${reference.quick ? ', a quick run' : ''}): ` +
-        `${compared.length - flagged.length} of ${compared.length} ratios agree within ±${TOLERANCE * 100}%${flagged.length > 0 ? `; ${flagged.length} differ: ${flagged.map((c) => c.name).join(', ')}` : ''}\n${pad(compareRows)}`
+        `of req/s, ${compared.length - flagged.length} of ${compared.length} ratios agree within ±${TOLERANCE * 100}%${flagged.length > 0 ? ` (${flagged.length} differ: ${flagged.map((c) => c.name).join(', ')})` : ''}; ` +
+        `per CPU of the measured side, ${cpuCompared.length - cpuFlagged.length} of ${cpuCompared.length}${cpuFlagged.length > 0 ? ` (${cpuFlagged.length} differ: ${cpuFlagged.map((c) => c.name).join(', ')})` : ''}\n${pad(compareRows)}`
   ].join('\n\n') + '\n')
 
   mkdirSync(path.dirname(OUT), { recursive: true })

@@ -35,10 +35,11 @@ import { parseArgs } from 'node:util'
 import autocannon from 'autocannon'
 import postgres from 'postgres'
 import { chart } from './chart.js'
-import { RATIOS, ratioName } from './ratios.js'
+import { median, RATIOS, ratioName } from './ratios.js'
 import { BODY } from './route.js'
 import { benchServices } from './services.js'
 import { cpuMsSince, pinning } from './pinning.js'
+import { cpuUsPerRequest, measuredCpuMs } from './measured-cpu.js'
 import { createBenchSchema, describeDatabase, truncateBenchSchema } from './schema.js'
 import { addRatios, SETUPS, summarise, table, type Counts, type Latency, type PerRequest, type Run, type Setup, type Summary } from './summary.js'
 import { evaluateTargets, targetsTable } from './targets.js'
@@ -403,7 +404,9 @@ async function measure (scenario: Scenario, instance: Instance, round: number): 
   const before = await settled(url)
   await resetLatency(url)
   const generatorStart = process.cpuUsage()
+  const measuredStart = measuredCpuMs(instance.pid)
   const result = await load(url, requests, scenario.timing.durationSeconds, scenario.connections)
+  const measuredEnd = measuredCpuMs(instance.pid)
   const generatorCpuMs = cpuMsSince(generatorStart)
   const after = await stats(url)
   const run: Run = {
@@ -415,6 +418,8 @@ async function measure (scenario: Scenario, instance: Instance, round: number): 
     durationSeconds: result.duration,
     // Near 1 (a whole CPU), autocannon itself is what bounds the request rate.
     generatorCpuShare: Math.round(generatorCpuMs / (result.duration * 1000) * 100) / 100,
+    measuredCpuUsPerRequest: cpuUsPerRequest(measuredStart, measuredEnd, result.requests.total),
+    cpuRatioTo: {},
     connections: scenario.connections,
     latencyUs: after.latencyUs,
     latencyRatioToBare: null,
@@ -524,8 +529,10 @@ try {
   const byName: Record<string, Summary[]> = Object.fromEntries(summaries.map(({ scenario, rows }) => [scenario.name, rows]))
   const ratios = RATIOS.map((pair) => {
     const value = byName[pair.scenario]?.find((row) => row.setup === pair.setup)?.ratioTo[pair.to]
-    const byRound = runs.filter((run) => run.scenario === pair.scenario && run.setup === pair.setup).map((run) => run.ratioTo[pair.to]).filter((v): v is number => v !== undefined)
-    return { ...pair, name: ratioName(pair), ratio: value ?? null, byRound }
+    const mine = runs.filter((run) => run.scenario === pair.scenario && run.setup === pair.setup)
+    const byRound = mine.map((run) => run.ratioTo[pair.to]).filter((v): v is number => v !== undefined)
+    const cpuByRound = mine.map((run) => run.cpuRatioTo[pair.to]).filter((v): v is number => v !== undefined)
+    return { ...pair, name: ratioName(pair), ratio: value ?? null, byRound, cpuRatio: cpuByRound.length > 0 ? median(cpuByRound) : null, cpuByRound }
   })
   const targets = evaluateTargets(byName)
   const notes = [
@@ -540,9 +547,11 @@ try {
     `Durability: fsync=${database.fsync}, synchronous_commit=${database.synchronous_commit}, full_page_writes=${database.full_page_writes}` +
       (services.provisioned ? ' (the throwaway server of scripts/services.mjs: commits are not durable, so absolute figures are above a production server\'s; the floors run under the same settings).' : ' (the server of DATABASE_URL).'),
     'Load generator, servers, PostgreSQL and Redis share the machine\'s cores: expect about ±15% between runs.',
+    '"CPU µs/req" is the measured side\'s CPU per request over the measured load: the server process plus every PostgreSQL and Redis process, user + system time from /proc (benchmarks/measured-cpu.ts), the generator not included. Each ratio is printed twice: of req/s, and "per CPU of the measured side" (the other setup\'s CPU per request over this one\'s, in the same round), the generator-independent form that benchmarks/crosscheck.ts reproduces where req/s depends on the generator\'s share of the cores.',
     ...(QUICK ? ['Quick mode: 1 round of short loads, one server per setup and body size serving its scenarios in turn; the figures only show that everything runs.'] : [])
   ]
-  const ratioLines = ratios.map((r) => `- ${r.name}: ${r.ratio === null ? '—' : r.ratio.toFixed(3)}${r.byRound.length > 1 ? ` (rounds: ${r.byRound.map((v) => v.toFixed(3)).join(' ')})` : ''}`)
+  const ratioLines = ratios.map((r) => `- ${r.name}: ${r.ratio === null ? '—' : r.ratio.toFixed(3)}${r.byRound.length > 1 ? ` (rounds: ${r.byRound.map((v) => v.toFixed(3)).join(' ')})` : ''}` +
+    `; per CPU of the measured side: ${r.cpuRatio === null ? '—' : r.cpuRatio.toFixed(3)}${r.cpuByRound.length > 1 ? ` (rounds: ${r.cpuByRound.map((v) => v.toFixed(3)).join(' ')})` : ''}`)
   const output = [
     ...summaries.map(({ scenario, rows }) => table(`${scenario.name}: ${scenario.description}`, rows)),
     notes.map((note) => `- ${note}`).join('\n'),

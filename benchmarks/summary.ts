@@ -28,6 +28,10 @@ export interface Run {
   durationSeconds: number
   /** CPU time autocannon's process used over the load's duration (1 = one whole CPU): near 1, the generator bounds the rate. */
   generatorCpuShare: number
+  /** The measured side's CPU per request (server + PostgreSQL + Redis, benchmarks/measured-cpu.ts), µs; null off Linux. */
+  measuredCpuUsPerRequest: number | null
+  /** Another setup's CPU per request over this one's, same round: req/s per CPU of the measured side, as a ratio. */
+  cpuRatioTo: Record<string, number>
   connections: number
   /** The server's own latency of POST /pay (onRequest to onResponse), µs: what overhead adds. */
   latencyUs: Latency
@@ -71,6 +75,9 @@ export interface Summary {
   ratioToBare: number | null
   floor: Setup | null
   ratioToFloor: number | null
+  /** The measured side's CPU per request, µs (median over the rounds), and the medians of Run.cpuRatioTo. */
+  measuredCpuUsPerRequest: number | null
+  cpuRatioTo: Record<string, number>
   /** Server-side latency, µs (medians over the rounds), and its ratio to bare's (medians of in-round ratios). */
   p50Us: number
   p99Us: number
@@ -103,7 +110,12 @@ export const ratio = (a: number, b: number): number => Math.round(a / b * 1000) 
 export function addRatios (runs: Run[]): void {
   for (const run of runs) {
     const others = runs.filter((r) => r.scenario === run.scenario && r.round === run.round && r !== run)
-    for (const other of others) run.ratioTo[other.setup] = ratio(run.requestsPerSecond, other.requestsPerSecond)
+    for (const other of others) {
+      run.ratioTo[other.setup] = ratio(run.requestsPerSecond, other.requestsPerSecond)
+      if (run.measuredCpuUsPerRequest !== null && other.measuredCpuUsPerRequest !== null && run.measuredCpuUsPerRequest > 0) {
+        run.cpuRatioTo[other.setup] = ratio(other.measuredCpuUsPerRequest, run.measuredCpuUsPerRequest)
+      }
+    }
     const bare = others.find((r) => r.setup === 'bare')
     if (run.setup === 'bare') {
       run.ratioToBare = 1
@@ -136,6 +148,11 @@ export function summarise (runs: Run[], scenario: string, setups: readonly Setup
       ratioToBare: medianOf((run) => run.ratioToBare),
       floor: mine[0]?.floor ?? null,
       ratioToFloor: medianOf((run) => run.ratioToFloor),
+      measuredCpuUsPerRequest: medianOf((run) => run.measuredCpuUsPerRequest),
+      cpuRatioTo: Object.fromEntries(others.flatMap((other) => {
+        const value = medianOf((run) => run.cpuRatioTo[other])
+        return value === null ? [] : [[other, value]]
+      })),
       p50Us: median(mine.map((run) => run.latencyUs.p50)),
       p99Us: median(mine.map((run) => run.latencyUs.p99)),
       p99_9Us: median(mine.map((run) => run.latencyUs.p99_9)),
@@ -169,7 +186,7 @@ function pair (load: number | null, probe: number | null): string {
 }
 
 export function table (title: string, rows: Summary[]): string {
-  const head = ['setup', 'req/s', '× bare', '× floor', 'p50 µs (× bare)', 'p99 µs (× bare)', 'p99.9 µs (× bare)', 'client p50/p99 ms', 'non-2xx', 'errors',
+  const head = ['setup', 'req/s', '× bare', '× floor', 'p50 µs (× bare)', 'p99 µs (× bare)', 'p99.9 µs (× bare)', 'client p50/p99 ms', 'CPU µs/req', 'non-2xx', 'errors',
     'PG stmts/req', 'PG RT/req', 'Redis cmds/req', 'Redis RT/req', 'peak RSS', 'req/s by round']
   const us = (value: number, toBare: number | null): string => `${Number.isFinite(value) ? Math.round(value) : '—'} (${fixed(toBare)})`
   const body = rows.map((row) => [
@@ -181,6 +198,7 @@ export function table (title: string, rows: Summary[]): string {
     us(row.p99Us, row.p99UsToBare),
     us(row.p99_9Us, row.p99_9UsToBare),
     `${row.clientP50Ms}/${row.clientP99Ms}`,
+    row.measuredCpuUsPerRequest === null ? '—' : String(Math.round(row.measuredCpuUsPerRequest)),
     String(row.non2xx),
     String(row.errors),
     pair(row.pgStatements, row.probePgStatements),

@@ -117,7 +117,8 @@ function finish (exitCode, counts = parseSummary(captured)) {
   stopServices()
   if (!counts && exitCode === 0) exitCode = 1
   const failed = failures.end()
-  const shown = failed.slice(0, FAILURES_SHOWN).map((f) => `[failed] ${f}\n`).join('')
+  // an assertion's name can hold a whole command's output: one line each, cut short
+  const shown = failed.slice(0, FAILURES_SHOWN).map((f) => `[failed] ${f.length > 240 ? `${f.slice(0, 239)}…` : f}\n`).join('')
   const more = failed.length > FAILURES_SHOWN ? `[failed] … and ${failed.length - FAILURES_SHOWN} more\n` : ''
   const line = summaryLine(counts, exitCode) + '\n'
   process.stdout.write(shown + more + line, () => process.exit(exitCode))

@@ -54,7 +54,7 @@ t.test('npm run bench -- --quick writes a well-formed result, its targets and a 
   t.equal(code, 0, output.slice(-3000))
   const result = JSON.parse(readFileSync(benchOut, 'utf8')) as {
     scenarios: Record<string, { setups: Row[] }>
-    ratios: Array<{ name: string, ratio: number | null }>
+    ratios: Array<{ name: string, ratio: number | null, cpuRatio: number | null }>
     targets: Array<{ id: string, met: boolean | null, measured: string }>
   }
   t.same(Object.keys(result.scenarios).sort(), SCENARIOS)
@@ -80,6 +80,7 @@ t.test('npm run bench -- --quick writes a well-formed result, its targets and a 
   t.type(floor('fresh', 'pg-atomic')?.ratioTo['floor-txn'], 'number', 'pg-atomic has its ratio to floor-txn')
   t.equal(result.ratios.length, 16, 'the ratios the crosscheck reproduces')
   t.ok(result.ratios.every((r) => typeof r.ratio === 'number'), 'every ratio measured')
+  t.ok(result.ratios.every((r) => typeof r.cpuRatio === 'number' && r.cpuRatio > 0), 'every ratio measured per CPU of the measured side too')
   t.equal(result.targets.length, 18, 'every target of issue 14')
   t.ok(result.targets.every((target) => typeof target.met === 'boolean'), 'every target judged, met or missed')
   t.match(output, /^targets: \d+ of 18 measured met/m, 'the targets section is printed')
@@ -141,12 +142,16 @@ t.test('npm run bench:crosscheck -- --quick reproduces the ratios and compares t
   const { code, output } = await run('benchmarks/crosscheck.ts', ['--out', out, ...against])
   t.equal(code, 0, output.slice(-3000))
   const result = JSON.parse(readFileSync(out, 'utf8')) as {
-    ratios: Array<{ name: string, ratio: number | null }>
-    comparison: Array<{ name: string, crosscheck: number | null, runTs: number | null, flagged: boolean }>
+    ratios: Array<{ name: string, ratio: number | null, cpuRatio: number | null }>
+    comparison: Array<{ name: string, crosscheck: number | null, runTs: number | null, flagged: boolean, cpuCrosscheck: number | null, cpuRunTs: number | null }>
   }
   t.equal(result.ratios.length, 16)
   t.ok(result.ratios.every((r) => typeof r.ratio === 'number'), 'every ratio measured')
+  t.ok(result.ratios.every((r) => typeof r.cpuRatio === 'number' && r.cpuRatio > 0), 'every ratio measured per CPU of the measured side too')
   t.equal(result.comparison.length, 16)
-  if (against.length > 0) t.ok(result.comparison.every((c) => typeof c.runTs === 'number'), 'compared with the run.ts result of the first test')
+  if (against.length > 0) {
+    t.ok(result.comparison.every((c) => typeof c.runTs === 'number'), 'compared with the run.ts result of the first test')
+    t.ok(result.comparison.every((c) => typeof c.cpuRunTs === 'number'), 'per CPU too')
+  }
   t.match(output, /^comparison with run\.ts/m)
 })

@@ -1,4 +1,4 @@
-import type { DatabaseClient } from './client.js'
+import type { DatabaseClient, TransactionConnection } from './client.js'
 import { resolveDatabase, resolveNames, type NodePostgresPoolLike, type PostgresClient, type ResolvedNames, type TableOptions } from './options.js'
 
 /**
@@ -6,6 +6,14 @@ import { resolveDatabase, resolveNames, type NodePostgresPoolLike, type Postgres
  * statement is `IF NOT EXISTS`, so it is safe to run at every boot, and concurrent runs (several
  * instances starting at once) are serialised by an advisory lock, since two concurrent
  * `CREATE TABLE IF NOT EXISTS` can still both try to create the table and one fails.
+ *
+ * Only the DDL for what is missing is sent, found in the catalog first: on an up-to-date schema
+ * (every boot but the first) migrate() locks no table. `ALTER TABLE … ADD COLUMN IF NOT EXISTS`
+ * takes an ACCESS EXCLUSIVE lock and `CREATE INDEX IF NOT EXISTS` a SHARE lock even when they
+ * change nothing; each waits for the transactions in flight on the table (atomic mode holds one
+ * per request until its handler ends), and every claim queues behind it meanwhile: lease-mode
+ * claims stall, and atomic-mode claims, bounded by `lock_timeout`, would fail as if a duplicate
+ * held their key. A booting instance must not do that to the ones serving.
  *
  * The same DDL, with the default names, ships as plain SQL in `drivers/postgres/schema.sql` for
  * migration tools; a test checks that both produce the same tables.
@@ -39,6 +47,8 @@ export async function migrateOn (db: DatabaseClient, names: ResolvedNames): Prom
     // IF NOT EXISTS reports a skipped object as a NOTICE, which postgres.js prints by default.
     await tx.simple('SET LOCAL client_min_messages = warning')
     await tx.simple("SELECT pg_advisory_xact_lock(hashtext('fastify-idempotency:migrate'))")
+    const missing = await missingObjects(tx, id, names, { records, outbox })
+    if (missing.size === 0) return
     await tx.simple(`CREATE SCHEMA IF NOT EXISTS ${schema}`)
     // Shape from the seeds, with these choices:
     // - PRIMARY KEY (scope, key), scope first: the uniqueness that makes "at most once" hold, and
@@ -50,7 +60,7 @@ export async function migrateOn (db: DatabaseClient, names: ResolvedNames): Prom
     //   UPDATE/DELETE on Citus; citus-notes 2); it fences complete/release/renew.
     // - lease_expires_at / expires_at: computed from the database clock (now()), never the app's.
     // - response_body NULL on a completed record: the outcome was recorded but its body not retained.
-    await tx.simple(`
+    if (missing.has('records')) await tx.simple(`
       CREATE TABLE IF NOT EXISTS ${records} (
         scope                 text COLLATE "C" NOT NULL,
         key                   text COLLATE "C" NOT NULL,
@@ -70,21 +80,21 @@ export async function migrateOn (db: DatabaseClient, names: ResolvedNames): Prom
       )`)
     // Recovery points and indeterminate failures came after the first release: a table created by
     // an earlier version gets their columns here (a no-op on a table created above).
-    await tx.simple(`
+    if (missing.has('columns')) await tx.simple(`
       ALTER TABLE ${records}
         ADD COLUMN IF NOT EXISTS steps jsonb NOT NULL DEFAULT '{}',
         ADD COLUMN IF NOT EXISTS indeterminate boolean NOT NULL DEFAULT false`)
     // The purge finds expired records through this index instead of scanning the table.
-    await tx.simple(`CREATE INDEX IF NOT EXISTS ${id(`${names.table}_expires_at_idx`)} ON ${records} (expires_at)`)
+    if (missing.has('expiresIndex')) await tx.simple(`CREATE INDEX IF NOT EXISTS ${id(`${names.table}_expires_at_idx`)} ON ${records} (expires_at)`)
     // The reconciler finds records left in progress through this one; completed records (almost
     // all of them) are not in it.
-    await tx.simple(`
+    if (missing.has('inProgressIndex')) await tx.simple(`
       CREATE INDEX IF NOT EXISTS ${id(`${names.table}_in_progress_idx`)}
       ON ${records} (lease_expires_at) WHERE state = 'in_progress'`)
     // The transactional outbox (drivers/postgres/outbox.ts): messages enqueued in a request's or a
     // step's transaction, delivered after it commits. Keyed like the records (scope first, for
     // Citus co-location), one message per (scope, key, name).
-    await tx.simple(`
+    if (missing.has('outbox')) await tx.simple(`
       CREATE TABLE IF NOT EXISTS ${outbox} (
         scope           text COLLATE "C" NOT NULL,
         key             text COLLATE "C" NOT NULL,
@@ -99,8 +109,35 @@ export async function migrateOn (db: DatabaseClient, names: ResolvedNames): Prom
         delivered_at    timestamptz,
         PRIMARY KEY (scope, key, name)
       )`)
-    await tx.simple(`
+    if (missing.has('outboxDueIndex')) await tx.simple(`
       CREATE INDEX IF NOT EXISTS ${id(`${names.table}_outbox_due_idx`)}
       ON ${outbox} (next_attempt_at) WHERE delivered_at IS NULL`)
   })
+}
+
+type SchemaObject = 'records' | 'columns' | 'expiresIndex' | 'inProgressIndex' | 'outbox' | 'outboxDueIndex'
+
+/**
+ * What of the schema is not there yet, from the catalog (reading it locks no user table).
+ * `columns`: a records table created before `steps` and `indeterminate` existed. `to_regclass`
+ * takes the names as they are written in the DDL (quoted, schema-qualified), so it resolves the
+ * very objects the DDL would create.
+ */
+async function missingObjects (tx: TransactionConnection, id: (name: string) => string, names: ResolvedNames, tables: { records: string, outbox: string }): Promise<Set<SchemaObject>> {
+  const index = (suffix: string): string => `${id(names.schema)}.${id(`${names.table}_${suffix}`)}`
+  const { rows } = await tx.query(`
+    SELECT to_regclass($1) IS NOT NULL,
+           (SELECT count(*)::int FROM pg_attribute
+             WHERE attrelid = to_regclass($1) AND attname IN ('steps', 'indeterminate') AND attnum > 0 AND NOT attisdropped),
+           to_regclass($2) IS NOT NULL, to_regclass($3) IS NOT NULL, to_regclass($4) IS NOT NULL, to_regclass($5) IS NOT NULL`,
+  [tables.records, index('expires_at_idx'), index('in_progress_idx'), tables.outbox, index('outbox_due_idx')])
+  const [records, columns, expiresIndex, inProgressIndex, outbox, outboxDueIndex] = rows[0] as [boolean, number, boolean, boolean, boolean, boolean]
+  const missing = new Set<SchemaObject>()
+  if (!records) missing.add('records')
+  if (columns !== 2) missing.add('columns')
+  if (!expiresIndex) missing.add('expiresIndex')
+  if (!inProgressIndex) missing.add('inProgressIndex')
+  if (!outbox) missing.add('outbox')
+  if (!outboxDueIndex) missing.add('outboxDueIndex')
+  return missing
 }

@@ -27,8 +27,22 @@ interface OpenTransaction {
 /** Thrown inside the transaction to make the client roll it back; never escapes this file. */
 const ROLLBACK = Symbol('rollback')
 
-/** SQLSTATE lock_not_available: lock_timeout fired while blocked on another attempt's uncommitted claim. */
+/** SQLSTATE lock_not_available: lock_timeout fired while the claim waited on a lock. */
 const LOCK_TIMEOUT = '55P03'
+
+/**
+ * A claim whose lock wait timed out is tried once more, in a transaction of its own, before it is
+ * answered as in progress. lock_timeout bounds every lock the claim waits on, not only another
+ * attempt's uncommitted row, and PostgreSQL does not say which one it was: the table's extension
+ * lock, held for a moment by a concurrent insert that adds a page (a freshly emptied table under
+ * concurrent claims, a busy machine), or a DDL statement's lock queued on the table. A duplicate
+ * in flight is still there a moment later and times out again; a wait on anything else has almost
+ * always passed, and that claim then runs instead of getting a 409 for a key nobody holds.
+ * Only a bound shorter than such a moment needs it (without `wait`, the bound is 1 ms): a longer
+ * one already outlasts it, and retrying there would make a duplicate wait twice its `wait`.
+ */
+const LOCK_TIMEOUT_RETRIES = 1
+const MOMENTARY_LOCK_MS = 100
 
 const MAX_CLAIM_ROUNDS = 10
 
@@ -51,69 +65,81 @@ export function createTransactions (db: DatabaseClient, table: string): Transact
   let unfinished = 0
 
   function claimInTransaction (request: ClaimRequest & { readonly waitMs: number }): Promise<ClaimResult> {
-    const token = randomUUID()
     return new Promise<ClaimResult>((resolveClaim, rejectClaim) => {
       // Thrown here, an invalid waitMs rejects the claim.
       const setLockTimeout = lockTimeoutStatement(request.waitMs)
-      let acquired = false
-      /** The body returned with a recorded response: the client sends COMMIT from here on. */
-      let commitSent = false
-      let decide!: (decision: Decision) => void
-      const decided = new Promise<Decision>((resolve) => { decide = resolve })
-
-      unfinished++
-      // On a dropped connection nothing more is sent, not even the ROLLBACK (dropped-connection.ts).
-      const finished = db.transaction(async (tx) => {
-        const statements = createStatements(tx, table)
-        const outcome = await claimWithin(tx, statements, request, token, setLockTimeout)
-        if (outcome.outcome !== 'acquired') {
-          resolveClaim(outcome)
-          throw ROLLBACK
-        }
-        const guard = tx.guarded()
-        acquired = true
-        resolveClaim({ ...outcome, transaction: guard.handle })
-        const decision = await decided
-        guard.end()
-        // Lost: the response is not written; COMMIT was never sent, so the client gets not-committed.
-        if (decision === null || tx.connection.lost !== null) throw ROLLBACK
-        let recorded: boolean
-        try {
-          recorded = await statements.complete({ scope: request.scope, key: request.key, token }, decision.response, decision.ttlMs)
-        } catch (err) {
-          throw new RolledBackError('the transaction could not record its response, so it was rolled back', { cause: err })
-        }
-        if (!recorded) throw new RolledBackError('the transaction no longer held its record, so it was rolled back')
-      }, { commitSent: () => { commitSent = true }, prelude: setLockTimeout })
-
-      open.set(token, {
-        decide (decision) {
-          decide(decision)
-          return finished.then(() => {}, (err: unknown) => {
-            // A rollback that was asked for: whatever ROLLBACK itself answered, a transaction whose
-            // connection failed is rolled back by the server.
-            if (decision === null) return
-            throw commitError(err, commitSent, db)
-          })
-        }
-      })
-      finished.then(
-        () => { open.delete(token); unfinished-- },
-        (err: unknown) => {
-          open.delete(token)
-          unfinished--
-          if (acquired || err === ROLLBACK) return
-          if ((err as { code?: unknown } | null)?.code === LOCK_TIMEOUT) {
-            // Blocked for `waitMs` on an uncommitted claim of the same key: in progress. Its
-            // fingerprint is invisible until it commits, so this one cannot tell 409 from 422;
-            // a retry after the original commits gets the precise answer.
-            resolveClaim({ outcome: 'in_progress', fingerprint: request.fingerprint, leaseRemainingMs: 0 })
-          } else {
-            rejectClaim(err)
-          }
-        }
-      )
+      attempt(request, setLockTimeout, request.waitMs < MOMENTARY_LOCK_MS ? LOCK_TIMEOUT_RETRIES : 0, resolveClaim, rejectClaim)
     })
+  }
+
+  function attempt (
+    request: ClaimRequest & { readonly waitMs: number },
+    setLockTimeout: string,
+    retriesLeft: number,
+    resolveClaim: (result: ClaimResult) => void,
+    rejectClaim: (err: unknown) => void
+  ): void {
+    const token = randomUUID()
+    let acquired = false
+    /** The body returned with a recorded response: the client sends COMMIT from here on. */
+    let commitSent = false
+    let decide!: (decision: Decision) => void
+    const decided = new Promise<Decision>((resolve) => { decide = resolve })
+
+    unfinished++
+    // On a dropped connection nothing more is sent, not even the ROLLBACK (dropped-connection.ts).
+    const finished = db.transaction(async (tx) => {
+      const statements = createStatements(tx, table)
+      const outcome = await claimWithin(tx, statements, request, token, setLockTimeout)
+      if (outcome.outcome !== 'acquired') {
+        resolveClaim(outcome)
+        throw ROLLBACK
+      }
+      const guard = tx.guarded()
+      acquired = true
+      resolveClaim({ ...outcome, transaction: guard.handle })
+      const decision = await decided
+      guard.end()
+      // Lost: the response is not written; COMMIT was never sent, so the client gets not-committed.
+      if (decision === null || tx.connection.lost !== null) throw ROLLBACK
+      let recorded: boolean
+      try {
+        recorded = await statements.complete({ scope: request.scope, key: request.key, token }, decision.response, decision.ttlMs)
+      } catch (err) {
+        throw new RolledBackError('the transaction could not record its response, so it was rolled back', { cause: err })
+      }
+      if (!recorded) throw new RolledBackError('the transaction no longer held its record, so it was rolled back')
+    }, { commitSent: () => { commitSent = true }, prelude: setLockTimeout })
+
+    open.set(token, {
+      decide (decision) {
+        decide(decision)
+        return finished.then(() => {}, (err: unknown) => {
+          // A rollback that was asked for: whatever ROLLBACK itself answered, a transaction whose
+          // connection failed is rolled back by the server.
+          if (decision === null) return
+          throw commitError(err, commitSent, db)
+        })
+      }
+    })
+    finished.then(
+      () => { open.delete(token); unfinished-- },
+      (err: unknown) => {
+        open.delete(token)
+        unfinished--
+        if (acquired || err === ROLLBACK) return
+        if ((err as { code?: unknown } | null)?.code !== LOCK_TIMEOUT) {
+          rejectClaim(err)
+        } else if (retriesLeft > 0) {
+          attempt(request, setLockTimeout, retriesLeft - 1, resolveClaim, rejectClaim)
+        } else {
+          // Blocked for `waitMs` (twice, if short): on an uncommitted claim of the same key, in progress. Its
+          // fingerprint is invisible until it commits, so this one cannot tell 409 from 422;
+          // a retry after the original commits gets the precise answer.
+          resolveClaim({ outcome: 'in_progress', fingerprint: request.fingerprint, leaseRemainingMs: 0 })
+        }
+      }
+    )
   }
 
   async function settle (lease: Lease, decision: Decision): Promise<boolean> {

@@ -185,6 +185,36 @@ function suite (url: string): void {
     t.equal(w.runs(), 1)
   })
 
+  t.test('a claim whose lock wait timed out on something other than a duplicate (a table lock held for a moment) is tried again, and runs: no 409 for a key nobody holds', async (t) => {
+    // wait 90 ms: under the 100 ms below which a timed-out wait is tried once more (transaction.ts)
+    const w = await world(t, { wait: 90 })
+    const release = deferred()
+    const locked = deferred()
+    // A DDL statement's lock on the records table (or the extension lock a concurrent insert holds
+    // while it adds a page): lock_timeout fires on it as on a duplicate's uncommitted row.
+    const locker = admin.begin(async (tx) => {
+      await tx`LOCK TABLE ${tx(schema)}.records IN ACCESS EXCLUSIVE MODE`
+      locked.resolve()
+      await release.promise
+    })
+    t.teardown(() => release.resolve())
+    await locked.promise
+    const answer = pay(w.app, 'k-lock', { amount: 1 })
+    const waiting = async (): Promise<boolean> => (await admin`
+      SELECT 1 FROM pg_locks WHERE relation = ${`"${schema}".records`}::regclass AND NOT granted`).length > 0
+    for (let i = 0; i < 500 && !await waiting(); i++) await sleep(5)
+    t.ok(await waiting(), 'the claim waits on the table lock')
+    // Longer than `wait`: the first attempt has timed out; the lock goes while the second waits.
+    await sleep(100)
+    release.resolve()
+    await locker
+    const response = await answer
+    t.equal(response.statusCode, 201, 'the claim ran once the lock was gone')
+    t.equal(w.runs(), 1)
+    t.equal(await payments('k-lock'), 1)
+    t.same(await records('k-lock'), ['completed'])
+  })
+
   t.test('a client that goes away rolls the transaction back; the handler cannot write afterwards', async (t) => {
     let lateWrite: unknown = null
     const entered = deferred()

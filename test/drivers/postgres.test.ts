@@ -240,6 +240,40 @@ function suite (url: string): void {
     await store.close()
   })
 
+  t.test('migrate on an up-to-date schema locks no table: it returns while a transaction is open on the records table, and claims never queue behind it', async (t) => {
+    const [migrated] = extraSchemas as [string]
+    await migrate(clientUnderTest(sql), { schema: migrated })
+    // An atomic-mode request in flight: its transaction holds ROW EXCLUSIVE on the table until its
+    // handler ends. A no-op ALTER TABLE or CREATE INDEX would wait for it (and every claim after
+    // them would queue behind their lock).
+    let endHolder!: () => void
+    const holding = new Promise<void>((resolve) => { endHolder = resolve })
+    let locked!: () => void
+    const lockTaken = new Promise<void>((resolve) => { locked = resolve })
+    const holder = sql.begin(async (tx) => {
+      await tx`INSERT INTO ${tx(migrated)}.idempotency_records (scope, key, fingerprint, fingerprint_algorithm, state, owner_token, lease_expires_at, expires_at)
+        VALUES ('s', 'held', '\\x00', 'x', 'in_progress', ${randomUUID()}, now() + interval '1 minute', now() + interval '1 day')`
+      locked()
+      await holding
+    })
+    t.teardown(() => { endHolder() })
+    await lockTaken
+    const outcome = await Promise.race([
+      migrate(clientUnderTest(sql), { schema: migrated }).then(() => 'returned'),
+      sleep(5000).then(() => 'blocked behind the open transaction')
+    ])
+    t.equal(outcome, 'returned', 'migrate() sent no DDL that waits for the transactions in flight')
+    const store = postgresStore({ ...storeConnection(sql), schema: migrated, purgeInterval: 0 })
+    const claim = await Promise.race([
+      store.claim({ scope: 's', key: 'after-migrate', fingerprint: A, leaseMs: LONG, ttlMs: LONG }).then((c) => c.outcome),
+      sleep(5000).then(() => 'queued behind a lock')
+    ])
+    t.equal(claim, 'acquired', 'a claim right after it is answered')
+    endHolder()
+    await holder
+    await store.close()
+  })
+
   t.test('fresh-key claim and complete are one round trip each', async (t) => {
     // A TCP proxy counts round trips: the client's turns to write, each after the server answered
     // (postgres.js sends Bind/Execute/Sync in one write; node-postgres may send them as several).
