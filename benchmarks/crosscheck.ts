@@ -8,7 +8,9 @@
  * rounds (each round runs every scenario and setup once, then the next round), each ratio the
  * median of its per-round ratios. Then compares each ratio with the latest run.ts result in
  * benchmarks/results/ (by its date, a full run's for a full crosscheck; --against for another) and
- * flags those more than 15% apart.
+ * flags those more than 15% apart. Each ratio is compared twice: of req/s, and per CPU of the
+ * measured side (the server, PostgreSQL and Redis; benchmarks/measured-cpu.ts), which does not
+ * depend on how much of the machine the load generator itself takes.
  * Every measurement is also checked: no socket error, no status ≥ 400 (but a storm's 409s), one
  * execution per fresh key, none on replays, one per key in a storm.
  *
