@@ -3,11 +3,11 @@
  * pass every CHAOS_INTERVAL_MS with the app's policy (reconcile-policy.ts), through the database
  * proxy, so it meets the same faults as the apps, and the harness restarts it when it dies.
  *
- * Its own loop rather than `store.startReconciler`: that one holds its advisory lock on a
- * `sql.reserve()`d connection, and with postgres.js 3.4.9 `reserve()` never resolves on a fresh
- * connection when `fetch_types` is false (porsager/postgres#751, #1219), while `fetch_types` must be
- * false here (see app.ts). One worker runs, so the lock has nothing to exclude. The same loop on
- * node-postgres (CHAOS_PG_CLIENT=pg, database.ts), so both clients' runs do the same work.
+ * Its own loop rather than `store.startReconciler`: the harness changes the pass's threshold while
+ * it runs (`older-than`), and startReconciler's options are fixed when it starts. One worker runs,
+ * so the store's advisory lock has nothing to exclude.
+ * The same loop on node-postgres (CHAOS_PG_CLIENT=pg, database.ts), so both clients' runs do the
+ * same work.
  *
  * Run as `node --import tsx test/chaos/reconciler.ts` with an IPC channel and CHAOS_DATABASE_URL.
  * Sends `{ type: 'ready', available }` (false when the plugin has no reconciler) and
