@@ -30,11 +30,11 @@ import { createInterface } from 'node:readline'
 import { fileURLToPath } from 'node:url'
 import { parseArgs } from 'node:util'
 import postgres from 'postgres'
-import { median, RATIOS, ratioName, setupsOf, type RatioPair } from './ratios.js'
+import { median, RATIOS, ratioName, ratioWithRounds, setupsOf, type RatioPair } from './ratios.js'
 import { BODY } from './route.js'
 import { benchServices } from './services.js'
 import { pinning } from './pinning.js'
-import { cpuUsPerRequest, measuredCpuMs } from './measured-cpu.js'
+import { cpuUsPerRequest, measuredCpuMs, perCpuRatio } from './measured-cpu.js'
 import { createBenchSchema, describeDatabase, truncateBenchSchema } from './schema.js'
 
 const ROOT = fileURLToPath(new URL('..', import.meta.url))
@@ -298,10 +298,8 @@ try {
       const b = find(round, pair.scenario, pair.to)
       if (a === undefined || b === undefined) continue
       byRound.push(Math.round(a.requestsPerSecond / b.requestsPerSecond * 1000) / 1000)
-      // requests per CPU-second of the measured side, a's over b's
-      if (a.measuredCpuUsPerRequest !== null && b.measuredCpuUsPerRequest !== null && a.measuredCpuUsPerRequest > 0) {
-        cpuByRound.push(Math.round(b.measuredCpuUsPerRequest / a.measuredCpuUsPerRequest * 1000) / 1000)
-      }
+      const perCpu = perCpuRatio(a.measuredCpuUsPerRequest, b.measuredCpuUsPerRequest)
+      if (perCpu !== null) cpuByRound.push(perCpu)
     }
     return { ...pair, name: ratioName(pair), ratio: byRound.length > 0 ? median(byRound) : null, byRound, cpuRatio: cpuByRound.length > 0 ? median(cpuByRound) : null, cpuByRound }
   })
@@ -350,8 +348,7 @@ try {
   process.stdout.write([
     `crosscheck: wrk against benchmarks/server.ts, ${ROUNDS} interleaved round(s), medians of per-round ratios${QUICK ? ' (quick mode: figures only show that it runs)' : ''}`,
     pad(rows),
-    ['ratios (of req/s; per CPU of the measured side):', ...ratios.map((r) => `- ${r.name}: ${r.ratio === null ? '—' : r.ratio.toFixed(3)}${r.byRound.length > 1 ? ` (rounds: ${r.byRound.map((v) => v.toFixed(3)).join(' ')})` : ''}` +
-      `; ${r.cpuRatio === null ? '—' : r.cpuRatio.toFixed(3)}${r.cpuByRound.length > 1 ? ` (rounds: ${r.cpuByRound.map((v) => v.toFixed(3)).join(' ')})` : ''}`)].join('\n'),
+    ['ratios (of req/s; per CPU of the measured side):', ...ratios.map((r) => `- ${r.name}: ${ratioWithRounds(r.ratio, r.byRound)}; ${ratioWithRounds(r.cpuRatio, r.cpuByRound)}`)].join('\n'),
     reference === null
       ? 'comparison: no run.ts result in benchmarks/results/ (run `npm run bench` first, or pass --against)'
       : `comparison with run.ts (${path.relative(ROOT, reference.path)}, ${reference.date}${reference.quick ? ', a quick run' : ''}): ` +

@@ -45,3 +45,12 @@ export function cpuUsPerRequest (beforeMs: number | null, afterMs: number | null
   if (beforeMs === null || afterMs === null || requests <= 0) return null
   return Math.round((afterMs - beforeMs) * 1000 / requests * 10) / 10
 }
+
+/**
+ * Setup a's requests per CPU-second of the measured side over setup b's (b's CPU per request over
+ * a's), to 3 decimals, in the orientation of a req/s ratio; null when either was not measured.
+ */
+export function perCpuRatio (aUsPerRequest: number | null, bUsPerRequest: number | null): number | null {
+  if (aUsPerRequest === null || bUsPerRequest === null || aUsPerRequest <= 0) return null
+  return Math.round(bUsPerRequest / aUsPerRequest * 1000) / 1000
+}

@@ -46,3 +46,8 @@ export function median (values: readonly number[]): number {
   const mid = sorted.length >> 1
   return sorted.length % 2 === 1 ? sorted[mid]! : (sorted[mid - 1]! + sorted[mid]!) / 2
 }
+
+/** A ratio and, when there were several rounds, each round's: `0.712 (rounds: 0.737 0.712 0.539)`. */
+export function ratioWithRounds (value: number | null, byRound: readonly number[]): string {
+  return `${value === null ? '—' : value.toFixed(3)}${byRound.length > 1 ? ` (rounds: ${byRound.map((v) => v.toFixed(3)).join(' ')})` : ''}`
+}

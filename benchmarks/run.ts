@@ -35,7 +35,7 @@ import { parseArgs } from 'node:util'
 import autocannon from 'autocannon'
 import postgres from 'postgres'
 import { chart } from './chart.js'
-import { median, RATIOS, ratioName } from './ratios.js'
+import { median, RATIOS, ratioName, ratioWithRounds } from './ratios.js'
 import { BODY } from './route.js'
 import { benchServices } from './services.js'
 import { cpuMsSince, pinning } from './pinning.js'
@@ -550,8 +550,7 @@ try {
     '"CPU µs/req" is the measured side\'s CPU per request over the measured load: the server process plus every PostgreSQL and Redis process, user + system time from /proc (benchmarks/measured-cpu.ts), the generator not included. Each ratio is printed twice: of req/s, and "per CPU of the measured side" (the other setup\'s CPU per request over this one\'s, in the same round), the generator-independent form that benchmarks/crosscheck.ts reproduces where req/s depends on the generator\'s share of the cores.',
     ...(QUICK ? ['Quick mode: 1 round of short loads, one server per setup and body size serving its scenarios in turn; the figures only show that everything runs.'] : [])
   ]
-  const ratioLines = ratios.map((r) => `- ${r.name}: ${r.ratio === null ? '—' : r.ratio.toFixed(3)}${r.byRound.length > 1 ? ` (rounds: ${r.byRound.map((v) => v.toFixed(3)).join(' ')})` : ''}` +
-    `; per CPU of the measured side: ${r.cpuRatio === null ? '—' : r.cpuRatio.toFixed(3)}${r.cpuByRound.length > 1 ? ` (rounds: ${r.cpuByRound.map((v) => v.toFixed(3)).join(' ')})` : ''}`)
+  const ratioLines = ratios.map((r) => `- ${r.name}: ${ratioWithRounds(r.ratio, r.byRound)}; per CPU of the measured side: ${ratioWithRounds(r.cpuRatio, r.cpuByRound)}`)
   const output = [
     ...summaries.map(({ scenario, rows }) => table(`${scenario.name}: ${scenario.description}`, rows)),
     notes.map((note) => `- ${note}`).join('\n'),

@@ -2,6 +2,7 @@
  * run.ts's measurements, their in-round ratios, their medians over the rounds, and the table that
  * prints them.
  */
+import { perCpuRatio } from './measured-cpu.js'
 import { median } from './ratios.js'
 
 export const SETUPS = ['bare', 'memory', 'peer-memory', 'pg-lease', 'pg-atomic', 'pg-redis', 'peer-redis', 'floor-sql', 'floor-select', 'floor-txn'] as const
@@ -112,9 +113,8 @@ export function addRatios (runs: Run[]): void {
     const others = runs.filter((r) => r.scenario === run.scenario && r.round === run.round && r !== run)
     for (const other of others) {
       run.ratioTo[other.setup] = ratio(run.requestsPerSecond, other.requestsPerSecond)
-      if (run.measuredCpuUsPerRequest !== null && other.measuredCpuUsPerRequest !== null && run.measuredCpuUsPerRequest > 0) {
-        run.cpuRatioTo[other.setup] = ratio(other.measuredCpuUsPerRequest, run.measuredCpuUsPerRequest)
-      }
+      const perCpu = perCpuRatio(run.measuredCpuUsPerRequest, other.measuredCpuUsPerRequest)
+      if (perCpu !== null) run.cpuRatioTo[other.setup] = perCpu
     }
     const bare = others.find((r) => r.setup === 'bare')
     if (run.setup === 'bare') {
