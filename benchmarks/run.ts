@@ -17,8 +17,9 @@
  * benchmarks/results/chart.svg (postgres.quick.json and chart.quick.svg with --quick, so a
  * development run never overwrites the published figures).
  *
- * --quick: 1 round of short loads, and each server serves every scenario of its setup and body size
- * in turn (tables emptied in between) instead of one process per measurement: seconds, for the
+ * --quick: 1 round of short loads (sized by the warm-up's rate, at least 3 requests per connection:
+ * quickAmount), and each server serves every scenario of its setup and body size in turn (tables
+ * emptied in between) instead of one process per measurement: seconds, for the
  * test suite; its figures are not comparable. --only / --setups: a subset (a check of one scenario).
  *
  * Extending it: a setup is a name in summary.ts's SETUPS plus an entry in server.ts's SETUPS; a
@@ -75,6 +76,8 @@ const CONFIG = {
   probe: { warmup: QUICK ? 3 : 10, requests: QUICK ? 10 : 40 }
 } as const
 
+/** Quick mode's least measured load (quickAmount). */
+const QUICK_MIN_REQUESTS_PER_CONNECTION = 3
 /** The setups with a database or Redis, whose traffic is counted and probed. */
 const COUNTED: ReadonlySet<Setup> = new Set(['pg-lease', 'pg-atomic', 'pg-redis', 'peer-redis', 'floor-sql', 'floor-select', 'floor-txn'])
 /** The duplicate storm: many connections on few keys, each key hammered concurrently (issue 5). */
@@ -309,11 +312,13 @@ async function startServer (setup: Setup, payload: number): Promise<Instance> {
   }
 }
 
-function load (url: string, requests: autocannon.Request[], seconds: number, connections: number): Promise<autocannon.Result> {
+/** A load of `seconds`, or of exactly `amount` requests (autocannon: amount overrides duration). */
+function load (url: string, requests: autocannon.Request[], seconds: number, connections: number, amount?: number): Promise<autocannon.Result> {
   return autocannon({
     url,
     connections,
     duration: seconds,
+    ...(amount === undefined ? {} : { amount }),
     // The stop is checked at each sample; the default (1 s) would stretch a 1.5 s run to 2 s.
     sampleInt: 100,
     headers: { 'content-type': 'application/json' },
@@ -391,6 +396,19 @@ async function probe (instance: Instance, scenario: Scenario, tag: string): Prom
   return { counts: countsBetween(before, await stats(instance.url)), unexpected }
 }
 
+/**
+ * Quick mode's measured load, as a number of requests: what the warm-up's rate fits in the
+ * duration, and never fewer than QUICK_MIN_REQUESTS_PER_CONNECTION per connection. A quick load of
+ * 0.2 s by time alone can end with no request answered when the machine is busy (1 MiB bodies into
+ * PostgreSQL while the rest of the suite runs: CI saw 0 req/s and nothing to count), and an empty
+ * measurement proves nothing runs. Full runs keep their fixed durations.
+ */
+function quickAmount (warmup: autocannon.Result, scenario: Scenario): number | undefined {
+  if (!QUICK) return undefined
+  const fitted = Math.round(warmup.requests.total / Math.max(warmup.duration, 0.001) * scenario.timing.durationSeconds)
+  return Math.max(fitted, QUICK_MIN_REQUESTS_PER_CONNECTION * scenario.connections)
+}
+
 async function measure (scenario: Scenario, instance: Instance, round: number): Promise<Run> {
   // Every measurement starts from empty tables, whatever ran before it.
   await truncateBenchSchema(admin, SCHEMA)
@@ -399,13 +417,13 @@ async function measure (scenario: Scenario, instance: Instance, round: number): 
   await scenario.prepare?.(url, tag)
   const requests = scenario.requests(tag)
   const initial = await stats(url)
-  await load(url, requests, scenario.timing.warmupSeconds, scenario.connections)
+  const warmup = await load(url, requests, scenario.timing.warmupSeconds, scenario.connections)
   // The measured window opens on a quiet server: nothing the warm-up started is counted in it.
   const before = await settled(url)
   await resetLatency(url)
   const generatorStart = process.cpuUsage()
   const measuredStart = measuredCpuMs(instance.pid)
-  const result = await load(url, requests, scenario.timing.durationSeconds, scenario.connections)
+  const result = await load(url, requests, scenario.timing.durationSeconds, scenario.connections, quickAmount(warmup, scenario))
   const measuredEnd = measuredCpuMs(instance.pid)
   const generatorCpuMs = cpuMsSince(generatorStart)
   const after = await stats(url)
