@@ -1,25 +1,28 @@
 /**
  * The second, independent harness (issue 14): `npm run bench:crosscheck [-- --quick] [--rounds n]
- * [--duration s] [--only fresh,replay,storm] [--threads n] [--pin] [--against results.json] [--out file]`.
+ * [--duration s] [--only fresh,replay,storm] [--threads n] [--pin | --unpinned]
+ * [--against results.json] [--out file]`.
  *
  * Reproduces run.ts's ratios (benchmarks/ratios.ts) with another load generator and other driving
  * code: wrk (C, epoll, 2 threads; benchmarks/crosscheck.lua makes each request's key), against the
- * same server processes (benchmarks/server.ts, the same SETUPs, schema and pool), in interleaved
- * rounds (each round runs every scenario and setup once, then the next round), each ratio the
- * median of its per-round ratios. Then compares each ratio with the latest run.ts result in
+ * same server processes (benchmarks/server.ts, the same SETUPs, schema and pool), pinned as run.ts
+ * pins (benchmarks/pinning.ts: wrk on one CPU, the measured side on the others), in rounds: each
+ * round runs every scenario, with a new server per setup, each warmed up for 3 s, then the
+ * measured load in slices of 1 s that the setups take in turns (measureRound). Each ratio is the
+ * median of its slice-pair ratios over every round (ratios.ts slicedRatio), as run.ts's. Then compares each ratio with the latest run.ts result in
  * benchmarks/results/ (by its date, a full run's for a full crosscheck; --against for another) and
  * flags those more than 15% apart. Each ratio is compared twice: of req/s, and per CPU of the
- * measured side (the server, PostgreSQL and Redis; benchmarks/measured-cpu.ts), which does not
- * depend on how much of the machine the load generator itself takes.
+ * measured side (the server, PostgreSQL and Redis; benchmarks/measured-cpu.ts).
  * Every measurement is also checked: no socket error, no status ≥ 400 (but a storm's 409s), one
  * execution per fresh key, none on replays, one per key in a storm.
  *
  * --quick: 1 round of 1 s loads, one server per setup serving its scenarios in turn (what
- * test/benchmarks.test.ts runs when wrk is installed; its figures only show that it runs).
+ * test/benchmarks.test.ts runs; its figures only show that it runs).
  *
- * A developer tool, not part of `npm test`'s figures (CI has no wrk); without wrk it says how to install it
- * and exits with status 2 (WRK=/path/to/wrk names another binary). Writes benchmarks/results/crosscheck.json (crosscheck.quick.json with
- * --quick). Starts a throwaway PostgreSQL and Redis unless DATABASE_URL and REDIS_URL are set.
+ * Needs wrk (`.ci/run` installs it); without it the script says how to install it and exits with
+ * status 2 (WRK=/path/to/wrk names another binary). Writes benchmarks/results/crosscheck.json
+ * (crosscheck.quick.json with --quick). Starts a throwaway PostgreSQL and Redis unless
+ * DATABASE_URL and REDIS_URL are set.
  */
 import { spawn, spawnSync, type ChildProcess } from 'node:child_process'
 import { randomBytes } from 'node:crypto'
@@ -30,7 +33,7 @@ import { createInterface } from 'node:readline'
 import { fileURLToPath } from 'node:url'
 import { parseArgs } from 'node:util'
 import postgres from 'postgres'
-import { median, RATIOS, ratioName, ratioWithRounds, setupsOf, type RatioPair } from './ratios.js'
+import { median, RATIOS, ratioName, ratioWithRounds, setupsOf, slicedRatio, type RatioPair, type SliceFigures } from './ratios.js'
 import { BODY } from './route.js'
 import { benchServices } from './services.js'
 import { pinning } from './pinning.js'
@@ -50,14 +53,19 @@ const { values: args } = parseArgs({
     only: { type: 'string' },
     threads: { type: 'string' },
     pin: { type: 'boolean', default: false },
+    unpinned: { type: 'boolean', default: false },
     out: { type: 'string' }
   }
 })
 const QUICK = args.quick === true
-const ROUNDS = QUICK ? 1 : Number(args.rounds ?? 3)
-/** wrk takes whole seconds. */
+const ROUNDS = QUICK ? 1 : Number(args.rounds ?? 5)
+if (!Number.isInteger(ROUNDS) || ROUNDS < 1) throw new Error(`--rounds must be a whole number >= 1, received ${args.rounds}`)
+/** wrk takes whole seconds: the measured load is cut in slices of 1 s (run.ts's are 1 s too). */
+const SLICE_SECONDS = 1
 const SECONDS = Number(args.duration ?? (QUICK ? 1 : 4))
-const WARMUP_SECONDS = QUICK ? 0 : 1
+if (!Number.isInteger(SECONDS) || SECONDS < 1) throw new Error(`--duration must be a whole number of seconds >= 1, received ${args.duration}`)
+/** As long as run.ts's: a new server reaches its steady rate only after seconds of load. */
+const WARMUP_SECONDS = QUICK ? 0 : 3
 const THREADS = Number(args.threads ?? 2)
 if (!Number.isInteger(THREADS) || THREADS < 1) throw new Error(`--threads must be a whole number >= 1, received ${args.threads}`)
 const CONNECTIONS = 10
@@ -70,7 +78,7 @@ const OUT = args.out ?? path.join(RESULTS, QUICK ? 'crosscheck.quick.json' : 'cr
 const WRK = process.env.WRK ?? 'wrk'
 const wrk = spawnSync(WRK, ['--version'], { encoding: 'utf8' })
 if (wrk.error !== undefined) {
-  process.stderr.write(`[crosscheck] wrk is not installed (${WRK}: ${(wrk.error as NodeJS.ErrnoException).code ?? wrk.error.message}; it is not in CI either): the crosscheck needs it as its load generator.\n` +
+  process.stderr.write(`[crosscheck] wrk is not installed (${WRK}: ${(wrk.error as NodeJS.ErrnoException).code ?? wrk.error.message}): the crosscheck needs it as its load generator.\n` +
     '[crosscheck] Install it with `apt-get install -y wrk` (Debian/Ubuntu) and run `npm run bench:crosscheck` again.\n')
   process.exit(2)
 }
@@ -83,6 +91,10 @@ interface Measurement {
   setup: string
   requestsPerSecond: number
   requests: number
+  /** How many wrk runs the measured load was cut into, and each one's req/s and measured CPU µs per request (ratios.ts slicedRatio). */
+  slices: number
+  sliceRates: number[]
+  sliceCpuUsPerRequest: Array<number | null>
   errors: { connect: number, read: number, write: number, status: number, timeout: number }
   p50Us: number
   p99Us: number
@@ -96,8 +108,8 @@ interface Measurement {
 
 const children = new Set<ChildProcess>()
 const services = await benchServices(() => { for (const child of children) child.kill('SIGKILL') })
-/** --pin (benchmarks/pinning.ts): wrk on its own CPU, as run.ts's autocannon. */
-const PIN = pinning(args.pin === true)
+/** Pinning (benchmarks/pinning.ts): wrk on its own CPU, as run.ts's autocannon; a full run's default. */
+const PIN = pinning(args.pin === true ? 'pin' : args.unpinned === true || QUICK ? 'off' : 'auto')
 PIN.moveServices()
 const DATABASE_URL = services.databaseUrl
 const REDIS_URL = services.redisUrl
@@ -133,7 +145,9 @@ async function executions (url: string): Promise<number> {
 let wrkRuns = 0
 
 /** One wrk run: its summary line (crosscheck.lua's done()). */
-function runWrk (url: string, mode: Mode, tag: string, seconds: number, connections: number): Promise<Omit<Measurement, 'round' | 'scenario' | 'setup' | 'executions' | 'problems' | 'measuredCpuUsPerRequest'>> {
+interface WrkRun { requests: number, durationUs: number, errors: Measurement['errors'], p50Us: number, p99Us: number }
+
+function runWrk (url: string, mode: Mode, tag: string, seconds: number, connections: number): Promise<WrkRun> {
   return new Promise((resolve, reject) => {
     const [command, argv] = PIN.generator(WRK, ['-t', String(THREADS), '-c', String(connections), '-d', `${seconds}s`, '--timeout', '10s', '-s', LUA, `${url}/pay`])
     const child = spawn(command, argv, {
@@ -149,8 +163,8 @@ function runWrk (url: string, mode: Mode, tag: string, seconds: number, connecti
       if (code !== 0 || line === undefined) return reject(new Error(`wrk exited with ${code}: ${output}`))
       const s = JSON.parse(line) as { requests: number, durationUs: number, connect: number, read: number, write: number, status: number, timeout: number, p50Us: number, p99Us: number }
       resolve({
-        requestsPerSecond: Math.round(s.requests / (s.durationUs / 1e6)),
         requests: s.requests,
+        durationUs: s.durationUs,
         errors: { connect: s.connect, read: s.read, write: s.write, status: s.status, timeout: s.timeout },
         p50Us: s.p50Us,
         p99Us: s.p99Us
@@ -170,52 +184,106 @@ async function completeReplayKeys (url: string, tag: string): Promise<void> {
 
 type Server = Awaited<ReturnType<typeof serve>>
 
-async function measure (round: number, scenario: Mode, setup: string, server: Server): Promise<Measurement> {
-  await truncateBenchSchema(admin, SCHEMA)
+/** One setup's measurement in progress: warmed up, then loaded slice by slice (interleaved with the other setups'). */
+interface Measuring { scenario: Mode, setup: string, server: Server, tag: string, connections: number, initial: number, before: number, runs: WrkRun[], sliceCpuMs: Array<number | null> }
+
+async function warmUp (scenario: Mode, setup: string, server: Server): Promise<Measuring> {
   const tag = randomBytes(4).toString('hex')
   const connections = scenario === 'storm' ? STORM.connections : CONNECTIONS
   if (scenario === 'replay') await completeReplayKeys(server.url, tag)
   const initial = await executions(server.url)
   if (WARMUP_SECONDS > 0) await runWrk(server.url, scenario, tag, WARMUP_SECONDS, connections)
-  const before = await executions(server.url)
-  const cpuStart = measuredCpuMs(server.pid)
-  const run = await runWrk(server.url, scenario, tag, SECONDS, connections)
-  const cpuEnd = measuredCpuMs(server.pid)
-  const after = await executions(server.url)
+  return { scenario, setup, server, tag, connections, initial, before: await executions(server.url), runs: [], sliceCpuMs: [] }
+}
+
+async function loadSlice (m: Measuring, seconds: number): Promise<void> {
+  const cpuStart = measuredCpuMs(m.server.pid)
+  m.runs.push(await runWrk(m.server.url, m.scenario, m.tag, seconds, m.connections))
+  const cpuEnd = measuredCpuMs(m.server.pid)
+  m.sliceCpuMs.push(cpuStart === null || cpuEnd === null ? null : cpuEnd - cpuStart)
+}
+
+const sum = (values: readonly number[]): number => values.reduce((a, b) => a + b, 0)
+
+async function finish (m: Measuring, round: number): Promise<Measurement> {
+  const { scenario, setup, connections } = m
+  const after = await executions(m.server.url)
+  const requests = sum(m.runs.map((r) => r.requests))
+  const errors = { connect: 0, read: 0, write: 0, status: 0, timeout: 0 }
+  for (const run of m.runs) for (const name of Object.keys(errors) as Array<keyof typeof errors>) errors[name] += run.errors[name]
   const problems: string[] = []
-  const { connect, read, write, timeout, status } = run.errors
-  if (connect + read + write + timeout > 0) problems.push(`socket errors ${JSON.stringify(run.errors)}`)
+  const { connect, read, write, timeout, status } = errors
+  if (connect + read + write + timeout > 0) problems.push(`socket errors ${JSON.stringify(errors)}`)
   if (status > 0 && scenario !== 'storm') problems.push(`${status} responses with a status ≥ 400`)
-  const executed = after - before
+  const executed = after - m.before
   if (setup !== 'bare') {
-    // wrk stops with requests in flight, which still execute: up to one per connection, twice.
-    if (scenario === 'fresh' && Math.abs(executed - run.requests) > 2 * connections) problems.push(`${executed} executions for ${run.requests} fresh keys`)
+    // wrk stops with requests in flight, which still execute: up to one per connection, per slice.
+    if (scenario === 'fresh' && Math.abs(executed - requests) > (m.runs.length + 1) * connections) problems.push(`${executed} executions for ${requests} fresh keys`)
     if (scenario === 'replay' && executed !== 0) problems.push(`${executed} executions during replays`)
-    if (scenario === 'storm' && after - initial !== STORM.keys) problems.push(`${after - initial} executions for ${STORM.keys} keys`)
+    if (scenario === 'storm' && after - m.initial !== STORM.keys) problems.push(`${after - m.initial} executions for ${STORM.keys} keys`)
   }
   // The peer's adapter runs the handler for a replay whose client disconnected (peer-glue.ts):
   // reported, not a failure of the harness.
   const tolerated = setup.startsWith('peer-') && scenario !== 'fresh'
-  return { round, scenario, setup, ...run, measuredCpuUsPerRequest: cpuUsPerRequest(cpuStart, cpuEnd, run.requests), executions: executed, problems: tolerated ? problems.map((p) => `${p} (the peer's adapter: see peer-glue.ts)`) : problems }
+  return {
+    round,
+    scenario,
+    setup,
+    requestsPerSecond: Math.round(requests / (sum(m.runs.map((r) => r.durationUs)) / 1e6)),
+    requests,
+    slices: m.runs.length,
+    errors,
+    // wrk's percentiles cannot be merged across slices: the median slice's.
+    p50Us: median(m.runs.map((r) => r.p50Us)),
+    p99Us: median(m.runs.map((r) => r.p99Us)),
+    sliceRates: m.runs.map((r) => Math.round(r.requests / (r.durationUs / 1e6))),
+    sliceCpuUsPerRequest: m.runs.map((r, i) => cpuUsPerRequest(0, m.sliceCpuMs[i] ?? null, r.requests)),
+    measuredCpuUsPerRequest: m.sliceCpuMs.includes(null) ? null : cpuUsPerRequest(0, sum(m.sliceCpuMs as number[]), requests),
+    executions: executed,
+    problems: tolerated ? problems.map((p) => `${p} (the peer's adapter: see peer-glue.ts)`) : problems
+  }
 }
 
 /**
- * Every measurement, in order: each round runs every scenario and setup once, each in a new server.
- * --quick: one server per setup, serving its scenarios in turn (tables emptied in between).
+ * One round of a scenario: a new server per setup, all started together, each warmed up in turn,
+ * then the measured load in slices of SLICE_SECONDS that the setups take in turns (the first to go
+ * rotating), as run.ts does, so that a change in the machine's speed falls on every setup alike.
+ */
+async function measureRound (round: number, scenario: Mode, setups: string[], record: (m: Measurement) => void): Promise<void> {
+  await truncateBenchSchema(admin, SCHEMA)
+  const servers: Server[] = []
+  try {
+    for (const setup of setups) servers.push(await serve(setup))
+    const measuring: Measuring[] = []
+    for (let i = 0; i < setups.length; i++) measuring.push(await warmUp(scenario, setups[i]!, servers[i]!))
+    const slices = Math.max(1, Math.round(SECONDS / SLICE_SECONDS))
+    for (let slice = 0; slice < slices; slice++) {
+      for (let turn = 0; turn < measuring.length; turn++) await loadSlice(measuring[(slice + turn) % measuring.length]!, SLICE_SECONDS)
+    }
+    for (const m of measuring) record(await finish(m, round))
+  } finally {
+    await Promise.allSettled(servers.map((server) => server.stop()))
+  }
+}
+
+/**
+ * Every measurement, in order: each round runs every scenario (measureRound).
+ * --quick: one server per setup, serving its scenarios in turn (tables emptied in between), one slice each.
  */
 async function measureAll (plan: Array<{ scenario: Mode, setups: string[] }>, onMeasured: (m: Measurement) => void): Promise<Measurement[]> {
   const measurements: Measurement[] = []
-  const once = async (round: number, scenario: Mode, setup: string, server: Server): Promise<void> => {
-    const m = await measure(round, scenario, setup, server)
-    measurements.push(m)
-    onMeasured(m)
-  }
+  const record = (m: Measurement): void => { measurements.push(m); onMeasured(m) }
   if (QUICK) {
     const setups = [...new Set(plan.flatMap((p) => p.setups))]
     for (const setup of setups) {
       const server = await serve(setup)
       try {
-        for (const { scenario } of plan.filter((p) => p.setups.includes(setup))) await once(1, scenario, setup, server)
+        for (const { scenario } of plan.filter((p) => p.setups.includes(setup))) {
+          await truncateBenchSchema(admin, SCHEMA)
+          const m = await warmUp(scenario, setup, server)
+          await loadSlice(m, SECONDS)
+          record(await finish(m, 1))
+        }
       } finally {
         await server.stop()
       }
@@ -223,12 +291,7 @@ async function measureAll (plan: Array<{ scenario: Mode, setups: string[] }>, on
     return measurements
   }
   for (let round = 1; round <= ROUNDS; round++) {
-    for (const { scenario, setups } of plan) {
-      for (const setup of setups) {
-        const server = await serve(setup)
-        try { await once(round, scenario, setup, server) } finally { await server.stop() }
-      }
-    }
+    for (const { scenario, setups } of plan) await measureRound(round, scenario, setups, record)
   }
   return measurements
 }
@@ -284,12 +347,14 @@ try {
   const plan: Array<{ scenario: Mode, setups: string[] }> = (['fresh', 'replay', 'storm'] as const)
     .filter((scenario) => only === undefined || only.includes(scenario))
     .map((scenario) => ({ scenario, setups: setupsOf(scenario) }))
-  log(`${wrkVersion}; ${ROUNDS} interleaved round(s), ${WARMUP_SECONDS} s warm-up + ${SECONDS} s per measurement, ${THREADS} threads, ${CONNECTIONS} connections (storm ${STORM.connections})`)
+  log(`${wrkVersion}; ${ROUNDS} round(s), ${WARMUP_SECONDS} s warm-up + ${SECONDS} s in slices of ${SLICE_SECONDS} s per measurement, ${THREADS} threads, ${CONNECTIONS} connections (storm ${STORM.connections}); ${PIN.description}`)
   const measurements = await measureAll(plan, (m) => {
     log(`round ${m.round} ${m.scenario} ${m.setup}: ${m.requestsPerSecond.toLocaleString('en-US')} req/s${m.problems.length > 0 ? `  PROBLEM: ${m.problems.join('; ')}` : ''}`)
   })
 
   const find = (round: number, scenario: Mode, setup: string): Measurement | undefined => measurements.find((m) => m.round === round && m.scenario === scenario && m.setup === setup)
+  const slicesOf = (scenario: Mode, setup: string, pick: (m: Measurement) => ReadonlyArray<number | null>): SliceFigures =>
+    Array.from({ length: ROUNDS }, (_, i) => { const m = find(i + 1, scenario, setup); return m === undefined ? [] : pick(m) })
   const ratios = RATIOS.map((pair) => {
     const byRound: number[] = []
     const cpuByRound: number[] = []
@@ -301,7 +366,9 @@ try {
       const perCpu = perCpuRatio(a.measuredCpuUsPerRequest, b.measuredCpuUsPerRequest)
       if (perCpu !== null) cpuByRound.push(perCpu)
     }
-    return { ...pair, name: ratioName(pair), ratio: byRound.length > 0 ? median(byRound) : null, byRound, cpuRatio: cpuByRound.length > 0 ? median(cpuByRound) : null, cpuByRound }
+    const rates = (setup: string): SliceFigures => slicesOf(pair.scenario, setup, (m) => m.sliceRates)
+    const cpu = (setup: string): SliceFigures => slicesOf(pair.scenario, setup, (m) => m.sliceCpuUsPerRequest)
+    return { ...pair, name: ratioName(pair), ratio: slicedRatio(rates(pair.setup), rates(pair.to)), byRound, cpuRatio: slicedRatio(cpu(pair.setup), cpu(pair.to), true), cpuByRound }
   })
 
   const rows = [['scenario / setup', 'req/s (median)', 'p50 µs', 'p99 µs', 'CPU µs/req', 'req/s by round']]
@@ -346,7 +413,7 @@ try {
   const cpuFlagged = comparison.filter((c) => c.cpuFlagged)
   const cpuCompared = comparison.filter((c) => c.cpuDifference !== null)
   process.stdout.write([
-    `crosscheck: wrk against benchmarks/server.ts, ${ROUNDS} interleaved round(s), medians of per-round ratios${QUICK ? ' (quick mode: figures only show that it runs)' : ''}`,
+    `crosscheck: wrk against benchmarks/server.ts, ${ROUNDS} round(s), ratios the medians of slice-pair ratios (then each round's own)${QUICK ? ' (quick mode: figures only show that it runs)' : ''}`,
     pad(rows),
     ['ratios (of req/s; per CPU of the measured side):', ...ratios.map((r) => `- ${r.name}: ${ratioWithRounds(r.ratio, r.byRound)}; ${ratioWithRounds(r.cpuRatio, r.cpuByRound)}`)].join('\n'),
     reference === null
@@ -379,5 +446,6 @@ try {
 } finally {
   await admin`DROP SCHEMA IF EXISTS ${admin(SCHEMA)} CASCADE`.catch(() => {})
   await admin.end({ timeout: 2 })
+  PIN.restore()
   await services.stop()
 }

@@ -1,6 +1,6 @@
 /**
  * The benchmark (issues 3, 5, 14): `node --import tsx benchmarks/run.ts [--quick] [--out file]
- * [--only scenario,…] [--setups setup,…] [--pin]`. --pin: see benchmarks/pinning.ts.
+ * [--only scenario,…] [--setups setup,…] [--rounds n] [--pin | --unpinned]`. Pinning: see benchmarks/pinning.ts.
  *
  * Starts a throwaway PostgreSQL and Redis (scripts/services.mjs) unless DATABASE_URL and REDIS_URL
  * are set, creates a fresh schema (benchmarks/schema.ts), and measures each scenario with its setups
@@ -54,22 +54,36 @@ const { values: args } = parseArgs({
     out: { type: 'string' },
     only: { type: 'string' },
     setups: { type: 'string' },
-    pin: { type: 'boolean', default: false }
+    rounds: { type: 'string' },
+    pin: { type: 'boolean', default: false },
+    unpinned: { type: 'boolean', default: false }
   }
 })
 const QUICK = args.quick === true
 const OUT = args.out ?? path.join(ROOT, 'benchmarks', 'results', QUICK ? 'postgres.quick.json' : 'postgres.json')
 const CHART = path.join(path.dirname(OUT), QUICK ? 'chart.quick.svg' : 'chart.svg')
+function roundsArg (value: string | undefined): number {
+  const rounds = Number(value ?? 5)
+  if (!Number.isInteger(rounds) || rounds < 1) throw new Error(`--rounds must be a whole number >= 1, received ${value}`)
+  return rounds
+}
 /** Read before anything runs: a busy machine skews every figure. */
 const loadAverageAtStart = os.loadavg()
 
-/** How long each measurement loads its server: the main scenarios, and the scale scenarios (shorter, to bound the run). */
-interface Timing { durationSeconds: number, warmupSeconds: number }
+/**
+ * How each measurement loads its server: the main scenarios, and the scale scenarios (fewer rounds
+ * and shorter, to bound the run). The warm-up is long because a new server reaches its steady rate
+ * only after seconds of load (V8's tiers, the heap's growth: bare served 9,639 requests in its first
+ * second and about 25,000 a second from its fifth); the measured load is cut in slices of 1 s that
+ * the setups take in turns (measureRound).
+ */
+interface Timing { rounds: number, durationSeconds: number, slices: number, warmupSeconds: number }
+const ROUNDS = QUICK ? 1 : roundsArg(args.rounds)
 const CONFIG = {
-  rounds: QUICK ? 1 : 3,
+  rounds: ROUNDS,
   connections: 10,
-  main: { durationSeconds: QUICK ? 0.3 : 4, warmupSeconds: QUICK ? 0.1 : 1 } satisfies Timing,
-  scale: { durationSeconds: QUICK ? 0.2 : 2, warmupSeconds: QUICK ? 0.05 : 0.5 } satisfies Timing,
+  main: { rounds: ROUNDS, durationSeconds: QUICK ? 0.3 : 4, slices: QUICK ? 1 : 4, warmupSeconds: QUICK ? 0.1 : 3 } satisfies Timing,
+  scale: { rounds: Math.min(ROUNDS, 3), durationSeconds: QUICK ? 0.2 : 2, slices: QUICK ? 1 : 2, warmupSeconds: QUICK ? 0.05 : 2 } satisfies Timing,
   poolMax: 10,
   replayKeys: QUICK ? 20 : 100,
   /** The sequential probe: requests sent first (connections' first statements prepare), then counted. */
@@ -173,8 +187,8 @@ function fresh ({ name, payload, connections, timing, setups, floors = {} }: Sha
     probeKey: (i, tag) => `"p-${i}-${tag}"`,
     check (run) {
       // A request in flight when a load stops still executes, uncounted: up to one per connection
-      // after the warm-up (counted here) and after the measured load (not counted here).
-      const problems = Math.abs(run.executions - run.requests) <= 2 * connections ? [] : [`${run.executions} executions for ${run.requests} fresh keys`]
+      // after each slice of the measured load (counted here, but for the last one's).
+      const problems = Math.abs(run.executions - run.requests) <= (run.slices + 1) * connections ? [] : [`${run.executions} executions for ${run.requests} fresh keys`]
       const counts = countChecks(run, {
         'pg-lease': { statements: 2 },
         'pg-atomic': { maxRoundTrips: 5 },
@@ -265,10 +279,11 @@ const SCENARIOS = ALL_SCENARIOS
 
 // --- the services ------------------------------------------------------------------------------
 
-let server: ChildProcess | null = null
-const services = await benchServices(() => { server?.kill('SIGKILL') })
-/** --pin (benchmarks/pinning.ts): autocannon, in this process, on its own CPU. */
-const PIN = pinning(args.pin === true)
+/** The server processes running (a round runs one per setup at once). */
+const servers = new Set<ChildProcess>()
+const services = await benchServices(() => { for (const child of servers) child.kill('SIGKILL') })
+/** Pinning (benchmarks/pinning.ts): autocannon, in this process, on its own CPU; a full run's default. */
+const PIN = pinning(args.pin === true ? 'pin' : args.unpinned === true || QUICK ? 'off' : 'auto')
 PIN.moveServices()
 const DATABASE_URL = services.databaseUrl
 const REDIS_URL = services.redisUrl
@@ -286,8 +301,8 @@ async function startServer (setup: Setup, payload: number): Promise<Instance> {
     env: { ...process.env, SETUP: setup, DATABASE_URL, REDIS_URL, BENCH_SCHEMA: SCHEMA, BENCH_POOL_MAX: String(CONFIG.poolMax), BENCH_PAYLOAD: String(payload) },
     stdio: ['ignore', 'pipe', 'inherit']
   })
-  server = child
-  const exited = new Promise<number | null>((resolve) => child.once('exit', (code) => resolve(code)))
+  servers.add(child)
+  const exited = new Promise<number | null>((resolve) => child.once('exit', (code) => { servers.delete(child); resolve(code) }))
   const port = await new Promise<number>((resolve, reject) => {
     const timer = setTimeout(() => reject(new Error(`server ${setup} did not listen within 30 s`)), 30_000)
     createInterface({ input: child.stdout! }).on('line', (line) => {
@@ -306,7 +321,6 @@ async function startServer (setup: Setup, payload: number): Promise<Instance> {
       const timer = setTimeout(() => child.kill('SIGKILL'), 5_000)
       const code = await exited
       clearTimeout(timer)
-      server = null
       if (code !== 0) throw new Error(`server ${setup} exited with ${code} on SIGTERM`)
     }
   }
@@ -409,10 +423,24 @@ function quickAmount (warmup: autocannon.Result, scenario: Scenario): number | u
   return Math.max(fitted, QUICK_MIN_REQUESTS_PER_CONNECTION * scenario.connections)
 }
 
-async function measure (scenario: Scenario, instance: Instance, round: number): Promise<Run> {
-  // Every measurement starts from empty tables, whatever ran before it.
-  await truncateBenchSchema(admin, SCHEMA)
-  const { setup, url } = instance
+/** One setup's measurement in progress: warmed up, then loaded slice by slice (interleaved with the other setups'). */
+interface Measuring {
+  readonly scenario: Scenario
+  readonly instance: Instance
+  readonly tag: string
+  readonly requests: autocannon.Request[]
+  readonly warmup: autocannon.Result
+  readonly initial: Stats
+  readonly before: Stats
+  readonly slices: autocannon.Result[]
+  /** The measured side's CPU in each slice, ms (null off Linux). */
+  readonly sliceCpuMs: Array<number | null>
+  generatorCpuMs: number
+}
+
+/** Prepares the scenario on the server (replay keys), then warms it up; its measured window opens after. */
+async function warmUp (scenario: Scenario, instance: Instance): Promise<Measuring> {
+  const { url } = instance
   const tag = randomBytes(4).toString('hex')
   await scenario.prepare?.(url, tag)
   const requests = scenario.requests(tag)
@@ -421,52 +449,77 @@ async function measure (scenario: Scenario, instance: Instance, round: number): 
   // The measured window opens on a quiet server: nothing the warm-up started is counted in it.
   const before = await settled(url)
   await resetLatency(url)
+  return { scenario, instance, tag, requests, warmup, initial, before, slices: [], sliceCpuMs: [], generatorCpuMs: 0 }
+}
+
+/** One slice of the measured load: `seconds` (quick mode: quickAmount's requests). */
+async function loadSlice (m: Measuring, seconds: number): Promise<void> {
   const generatorStart = process.cpuUsage()
-  const measuredStart = measuredCpuMs(instance.pid)
-  const result = await load(url, requests, scenario.timing.durationSeconds, scenario.connections, quickAmount(warmup, scenario))
-  const measuredEnd = measuredCpuMs(instance.pid)
-  const generatorCpuMs = cpuMsSince(generatorStart)
-  const after = await stats(url)
+  const measuredStart = measuredCpuMs(m.instance.pid)
+  m.slices.push(await load(m.instance.url, m.requests, seconds, m.scenario.connections, quickAmount(m.warmup, m.scenario)))
+  const measuredEnd = measuredCpuMs(m.instance.pid)
+  m.generatorCpuMs += cpuMsSince(generatorStart)
+  m.sliceCpuMs.push(measuredStart === null || measuredEnd === null ? null : measuredEnd - measuredStart)
+}
+
+const sum = (values: readonly number[]): number => values.reduce((a, b) => a + b, 0)
+
+/** The slices' figures as one Run, then the sequential probe and the scenario's checks. */
+async function finish (m: Measuring, round: number): Promise<Run> {
+  const { scenario, instance } = m
+  const after = await stats(instance.url)
+  const requests = sum(m.slices.map((r) => r.requests.total))
+  const duration = sum(m.slices.map((r) => r.duration))
+  // autocannon's client-side percentiles cannot be merged across slices: the median slice's is
+  // reported (the server's own latency, latencyUs, is one histogram over every slice).
+  const sliceMedian = (of: (r: autocannon.Result) => number): number => median(m.slices.map(of))
+  const statusCodes: Record<string, number> = {}
+  for (const slice of m.slices) {
+    for (const [code, stat] of Object.entries(slice.statusCodeStats ?? {})) statusCodes[code] = (statusCodes[code] ?? 0) + (stat.count ?? 0)
+  }
   const run: Run = {
     scenario: scenario.name,
     round,
-    setup,
-    requestsPerSecond: Math.round(result.requests.total / result.duration),
-    requests: result.requests.total,
-    durationSeconds: result.duration,
+    setup: instance.setup,
+    requestsPerSecond: Math.round(requests / duration),
+    requests,
+    durationSeconds: Math.round(duration * 100) / 100,
+    slices: m.slices.length,
+    sliceRates: m.slices.map((r) => Math.round(r.requests.total / r.duration)),
+    sliceCpuUsPerRequest: m.slices.map((r, i) => cpuUsPerRequest(0, m.sliceCpuMs[i] ?? null, r.requests.total)),
     // Near 1 (a whole CPU), autocannon itself is what bounds the request rate.
-    generatorCpuShare: Math.round(generatorCpuMs / (result.duration * 1000) * 100) / 100,
-    measuredCpuUsPerRequest: cpuUsPerRequest(measuredStart, measuredEnd, result.requests.total),
+    generatorCpuShare: Math.round(m.generatorCpuMs / (duration * 1000) * 100) / 100,
+    measuredCpuUsPerRequest: m.sliceCpuMs.includes(null) ? null : cpuUsPerRequest(0, sum(m.sliceCpuMs as number[]), requests),
     cpuRatioTo: {},
     connections: scenario.connections,
     latencyUs: after.latencyUs,
     latencyRatioToBare: null,
     latencyMs: {
-      p50: result.latency.p50,
-      p90: result.latency.p90,
-      p99: result.latency.p99,
-      p99_9: result.latency.p99_9,
-      mean: result.latency.mean,
-      max: result.latency.max
+      p50: sliceMedian((r) => r.latency.p50),
+      p90: sliceMedian((r) => r.latency.p90),
+      p99: sliceMedian((r) => r.latency.p99),
+      p99_9: sliceMedian((r) => r.latency.p99_9),
+      mean: Math.round(sum(m.slices.map((r) => r.latency.mean * r.requests.total)) / Math.max(requests, 1) * 100) / 100,
+      max: Math.max(...m.slices.map((r) => r.latency.max))
     },
-    statusCodes: Object.fromEntries(Object.entries(result.statusCodeStats ?? {}).map(([code, stat]) => [code, stat.count ?? 0])),
-    non2xx: result.non2xx,
-    errors: result.errors,
-    timeouts: result.timeouts,
-    executions: after.executions - before.executions,
-    executionsWithWarmup: after.executions - initial.executions,
-    load: countsBetween(before, after),
+    statusCodes,
+    non2xx: sum(m.slices.map((r) => r.non2xx)),
+    errors: sum(m.slices.map((r) => r.errors)),
+    timeouts: sum(m.slices.map((r) => r.timeouts)),
+    executions: after.executions - m.before.executions,
+    executionsWithWarmup: after.executions - m.initial.executions,
+    load: countsBetween(m.before, after),
     probe: null,
     peakRssMiB: peakRssMiB(instance.pid),
     ratioTo: {},
     ratioToBare: null,
-    floor: scenario.floors[setup] ?? null,
+    floor: scenario.floors[instance.setup] ?? null,
     ratioToFloor: null,
     problems: [],
     warnings: []
   }
   // After the load's figures are taken: the probe's requests are no part of them.
-  const probed = await probe(instance, scenario, tag)
+  const probed = await probe(instance, scenario, m.tag)
   run.probe = probed.counts
   if (probed.unexpected.length > 0) run.problems.push(`the sequential probe's requests answered ${probed.unexpected.join(', ')}`)
   const allowed = new Set(scenario.allowedNon2xx ?? [])
@@ -480,21 +533,45 @@ async function measure (scenario: Scenario, instance: Instance, round: number): 
 }
 
 /**
- * Every measurement, in order. Full: for each scenario, its rounds, each round every setup in turn,
- * each measurement in a new server process. Quick: one server per setup and body size, serving its
- * scenarios one after the other.
+ * One round of a scenario, full mode: a new server per setup, all started together; each warmed
+ * up in turn, then the measured load in slices, the setups taking turns slice by slice (the first
+ * to go rotating each time), so that whatever the machine does meanwhile (another guest's load on
+ * the host, which halved every rate here for tens of seconds at a time) falls on every setup alike.
+ */
+async function measureRound (scenario: Scenario, round: number, record: (run: Run) => void): Promise<void> {
+  // Every round starts from empty tables, whatever ran before it.
+  await truncateBenchSchema(admin, SCHEMA)
+  const instances: Instance[] = []
+  let failure: { error: unknown } | null = null
+  try {
+    for (const setup of scenario.setups) instances.push(await startServer(setup, scenario.payload))
+    const measuring: Measuring[] = []
+    for (const instance of instances) measuring.push(await warmUp(scenario, instance))
+    const { slices, durationSeconds } = scenario.timing
+    for (let slice = 0; slice < slices; slice++) {
+      for (let turn = 0; turn < measuring.length; turn++) await loadSlice(measuring[(slice + turn) % measuring.length]!, durationSeconds / slices)
+    }
+    for (const m of measuring) record(await finish(m, round))
+  } catch (error) {
+    failure = { error }
+  }
+  // Every server is stopped, even when one fails to; the round's own failure is reported first.
+  const stopped = await Promise.allSettled(instances.map((instance) => instance.stop()))
+  if (failure !== null) throw failure.error
+  const refused = stopped.find((result): result is PromiseRejectedResult => result.status === 'rejected')
+  if (refused !== undefined) throw refused.reason
+}
+
+/**
+ * Every measurement, in order. Full: for each scenario, its rounds (measureRound). Quick: one
+ * server per setup and body size, serving its scenarios one after the other, one slice each.
  */
 async function measureAll (onRun: (run: Run) => void): Promise<Run[]> {
   const runs: Run[] = []
   const record = (run: Run): void => { runs.push(run); onRun(run) }
   if (!QUICK) {
     for (const scenario of SCENARIOS) {
-      for (let round = 1; round <= CONFIG.rounds; round++) {
-        for (const setup of scenario.setups) {
-          const instance = await startServer(setup, scenario.payload)
-          try { record(await measure(scenario, instance, round)) } finally { await instance.stop() }
-        }
-      }
+      for (let round = 1; round <= scenario.timing.rounds; round++) await measureRound(scenario, round, record)
     }
     return runs
   }
@@ -510,7 +587,12 @@ async function measureAll (onRun: (run: Run) => void): Promise<Run[]> {
   for (const { setup, payload, scenarios } of groups.values()) {
     const instance = await startServer(setup, payload)
     try {
-      for (const scenario of scenarios) record(await measure(scenario, instance, 1))
+      for (const scenario of scenarios) {
+        await truncateBenchSchema(admin, SCHEMA)
+        const m = await warmUp(scenario, instance)
+        await loadSlice(m, scenario.timing.durationSeconds)
+        record(await finish(m, 1))
+      }
     } finally {
       await instance.stop()
     }
@@ -529,9 +611,9 @@ const log = (message: string): void => { process.stderr.write(`[bench] ${message
 try {
   await createBenchSchema(admin, SCHEMA)
   const database = await describeDatabase(admin)
-  const timing = (t: Timing): string => `${t.warmupSeconds} s warm-up + ${t.durationSeconds} s`
-  log(`PostgreSQL ${database.server_version} (fsync=${database.fsync}, synchronous_commit=${database.synchronous_commit}), ` +
-    `${CONFIG.rounds} round(s); main scenarios ${timing(CONFIG.main)}, scale scenarios ${timing(CONFIG.scale)} per measurement` +
+  const timing = (t: Timing): string => `${t.rounds} round(s) of ${t.warmupSeconds} s warm-up + ${t.durationSeconds} s${t.slices > 1 ? ` in ${t.slices} interleaved slices` : ''}`
+  log(`PostgreSQL ${database.server_version} (fsync=${database.fsync}, synchronous_commit=${database.synchronous_commit}); ` +
+    `main scenarios ${timing(CONFIG.main)}, scale scenarios ${timing(CONFIG.scale)} per measurement; ${PIN.description}` +
     `${QUICK ? '; quick: one server per setup and body size' : ''}`)
 
   const runs = await measureAll((run) => {
@@ -546,15 +628,15 @@ try {
   const summaries = SCENARIOS.map((scenario) => ({ scenario, rows: summarise(runs, scenario.name, scenario.setups) }))
   const byName: Record<string, Summary[]> = Object.fromEntries(summaries.map(({ scenario, rows }) => [scenario.name, rows]))
   const ratios = RATIOS.map((pair) => {
-    const value = byName[pair.scenario]?.find((row) => row.setup === pair.setup)?.ratioTo[pair.to]
+    const row = byName[pair.scenario]?.find((summary) => summary.setup === pair.setup)
     const mine = runs.filter((run) => run.scenario === pair.scenario && run.setup === pair.setup)
     const byRound = mine.map((run) => run.ratioTo[pair.to]).filter((v): v is number => v !== undefined)
     const cpuByRound = mine.map((run) => run.cpuRatioTo[pair.to]).filter((v): v is number => v !== undefined)
-    return { ...pair, name: ratioName(pair), ratio: value ?? null, byRound, cpuRatio: cpuByRound.length > 0 ? median(cpuByRound) : null, cpuByRound }
+    return { ...pair, name: ratioName(pair), ratio: row?.ratioTo[pair.to] ?? null, byRound, cpuRatio: row?.cpuRatioTo[pair.to] ?? null, cpuByRound }
   })
   const targets = evaluateTargets(byName)
   const notes = [
-    `Medians over ${CONFIG.rounds} round(s); each ratio is taken within a round, then its median reported. Main scenarios (fresh, replay, storm): ${timing(CONFIG.main)} per measurement; the scale scenarios (-c1, -c100: connections; -64k, -1m: body size) run ${SCALE_SETUPS.join(', ')} only, ${timing(CONFIG.scale)} per measurement, to keep the whole run within 15 minutes (about 11 on this machine).`,
+    `Ratios are medians over every round and slice of the two setups' figures in the same slice of the same round (benchmarks/ratios.ts slicedRatio); each round's own ratio is listed too ("rounds:"); other figures are medians over the rounds. Main scenarios (fresh, replay, storm): ${timing(CONFIG.main)} per measurement; the scale scenarios (-c1, -c100: connections; -64k, -1m: body size) run ${SCALE_SETUPS.join(', ')} only, ${timing(CONFIG.scale)} per measurement. In a round, every setup of the scenario has a new server process; each is warmed up in turn, then the setups take turns slice by slice, so that a change in the machine's speed during the round falls on each alike.`,
     'Every setup\'s POST /pay validates its body with the same JSON schema (amount an integer, currency three capital letters, no other property) and answers the same payment (benchmarks/route.ts); the -64k and -1m bodies are padded with incompressible base64 text.',
     'Latency in µs is the server\'s own (process.hrtime.bigint() from an onRequest hook added before any plugin to an onResponse hook, log-linear histogram under 1% error, reset after the warm-up), with its ratio to bare\'s in the same round; "client ms" is autocannon\'s, whole milliseconds, and includes queueing in the load generator.',
     'PG stmts/req, PG RT/req, Redis cmds/req, Redis RT/req: "load/seq", counted on the client\'s wire (benchmarks/counting.ts): statements are Execute and simple-Query messages (BEGIN and COMMIT included), Redis commands are ioredis sendCommand calls (peer-redis: its storage calls, one node-redis command each); a round trip is a write after a read on one connection. "load" is over the measured load (it starts on a quiet server; the requests in flight when it stops reach the backends uncounted as requests, so it is high by up to one request\'s statements per connection, noticeable only where few requests fit in a run) (round trips there are a lower bound: concurrent requests\' statements can share a write); "seq" is the probe after it, ' +
@@ -572,7 +654,7 @@ try {
   const output = [
     ...summaries.map(({ scenario, rows }) => table(`${scenario.name}: ${scenario.description}`, rows)),
     notes.map((note) => `- ${note}`).join('\n'),
-    ['ratios (medians of per-round ratios; benchmarks/crosscheck.ts reproduces these with wrk):', ...ratioLines].join('\n'),
+    ['ratios (medians of slice-pair ratios, then each round\'s own; benchmarks/crosscheck.ts reproduces these with wrk):', ...ratioLines].join('\n'),
     targetsTable(targets)
   ].join('\n\n')
   process.stdout.write(`${output}\n`)
@@ -620,13 +702,13 @@ try {
   mkdirSync(path.dirname(OUT), { recursive: true })
   writeFileSync(OUT, `${JSON.stringify(result, null, 2)}\n`)
   writeFileSync(CHART, chart(summaries.map(({ scenario, rows }) => ({ name: scenario.name, payload: scenario.payload, connections: scenario.connections, rows })), {
-    title: `Throughput relative to bare (req/s ÷ bare's, same round; median of ${CONFIG.rounds} round(s)${QUICK ? ', quick mode' : ''})`,
+    title: `Throughput relative to bare (req/s ÷ bare's in the same slice of a round; median over ${CONFIG.main.rounds} round(s) × ${CONFIG.main.slices} slice(s)${QUICK ? ', quick mode' : ''})`,
     subtitle: `${result.machine.cores}-core ${result.machine.cpuModel.replace(/\s+/g, ' ').trim()}, ${startedAt.toISOString().slice(0, 10)}; ` +
       `Node ${process.version.slice(1)}, Fastify ${result.versions.fastify}, PostgreSQL ${database.server_version}; POST with a JSON body schema`,
     subtitle2: `PostgreSQL durability: fsync=${database.fsync}, synchronous_commit=${database.synchronous_commit}, full_page_writes=${database.full_page_writes}` +
       `${services.provisioned ? ' (throwaway server: commits not durable)' : ''}`,
     subtitle3: `peer: @node-idempotency/core ${result.versions.peerCore} (benchmarks/peer-glue.ts); storm ${STORM.connections} connections; ` +
-      `${CONFIG.main.durationSeconds} s per run (scale scenarios ${CONFIG.scale.durationSeconds} s), all processes on this one machine`
+      `${CONFIG.main.durationSeconds} s per run (scale scenarios ${CONFIG.scale.durationSeconds} s), all processes on this one machine, ${PIN.pinned ? 'load generator on a CPU of its own' : 'not pinned'}`
   }))
   log(`wrote ${path.relative(process.cwd(), OUT)} and ${path.relative(process.cwd(), CHART)} in ${result.elapsedSeconds} s`)
 
@@ -640,5 +722,6 @@ try {
 } finally {
   await admin`DROP SCHEMA IF EXISTS ${admin(SCHEMA)} CASCADE`.catch(() => {})
   await admin.end({ timeout: 2 })
+  PIN.restore()
   await services.stop()
 }

@@ -3,7 +3,7 @@
  * prints them.
  */
 import { perCpuRatio } from './measured-cpu.js'
-import { median } from './ratios.js'
+import { median, slicedRatio, type SliceFigures } from './ratios.js'
 
 export const SETUPS = ['bare', 'memory', 'peer-memory', 'pg-lease', 'pg-atomic', 'pg-redis', 'peer-redis', 'floor-sql', 'floor-select', 'floor-txn'] as const
 export type Setup = typeof SETUPS[number]
@@ -27,6 +27,12 @@ export interface Run {
   requestsPerSecond: number
   requests: number
   durationSeconds: number
+  /** How many slices the measured load was cut into (run.ts measureRound). */
+  slices: number
+  /** req/s of each slice, in the order this setup took them (ratios.ts slicedRatio). */
+  sliceRates: number[]
+  /** The measured side's CPU per request in each slice, µs; null off Linux. */
+  sliceCpuUsPerRequest: Array<number | null>
   /** CPU time autocannon's process used over the load's duration (1 = one whole CPU): near 1, the generator bounds the rate. */
   generatorCpuShare: number
   /** The measured side's CPU per request (server + PostgreSQL + Redis, benchmarks/measured-cpu.ts), µs; null off Linux. */
@@ -72,11 +78,12 @@ export interface Summary {
   setup: Setup
   requestsPerSecond: number
   requestsPerSecondByRound: number[]
+  /** Slice-pair medians over every round (ratios.ts slicedRatio). */
   ratioTo: Record<string, number>
   ratioToBare: number | null
   floor: Setup | null
   ratioToFloor: number | null
-  /** The measured side's CPU per request, µs (median over the rounds), and the medians of Run.cpuRatioTo. */
+  /** The measured side's CPU per request, µs (median over the rounds), and its slice-pair ratios (another setup's CPU per request over this one's). */
   measuredCpuUsPerRequest: number | null
   cpuRatioTo: Record<string, number>
   /** Server-side latency, µs (medians over the rounds), and its ratio to bare's (medians of in-round ratios). */
@@ -132,7 +139,23 @@ export function addRatios (runs: Run[]): void {
   }
 }
 
+/** A setup's figures of one scenario by slice, `[round][slice]`, rounds in order (ratios.ts slicedRatio). */
+export function sliceFigures (runs: readonly Run[], scenario: string, setup: string, pick: (run: Run) => ReadonlyArray<number | null>): SliceFigures {
+  const mine = runs.filter((run) => run.scenario === scenario && run.setup === setup)
+  const rounds = Math.max(0, ...mine.map((run) => run.round))
+  return Array.from({ length: rounds }, (_, i) => {
+    const run = mine.find((r) => r.round === i + 1)
+    return run === undefined ? [] : pick(run)
+  })
+}
+
+/**
+ * Medians over the rounds of each setup's figures; its ratios to the other setups are slice-pair
+ * medians over every round (ratios.ts slicedRatio), of req/s and per CPU of the measured side.
+ */
 export function summarise (runs: Run[], scenario: string, setups: readonly Setup[]): Summary[] {
+  const rates = (setup: string): SliceFigures => sliceFigures(runs, scenario, setup, (run) => run.sliceRates)
+  const cpu = (setup: string): SliceFigures => sliceFigures(runs, scenario, setup, (run) => run.sliceCpuUsPerRequest)
   return setups.map((setup) => {
     const mine = runs.filter((run) => run.scenario === scenario && run.setup === setup)
     const medianOf = (pick: (run: Run) => number | null | undefined): number | null => {
@@ -140,17 +163,22 @@ export function summarise (runs: Run[], scenario: string, setups: readonly Setup
       return values.length === 0 ? null : Math.round(median(values) * 1000) / 1000
     }
     const others = [...new Set(mine.flatMap((run) => Object.keys(run.ratioTo)))]
+    const ratioTo = Object.fromEntries(others.flatMap((other) => {
+      const value = slicedRatio(rates(setup), rates(other))
+      return value === null ? [] : [[other, value]]
+    }))
+    const floor = mine[0]?.floor ?? null
     return {
       setup,
       requestsPerSecond: median(mine.map((run) => run.requestsPerSecond)),
       requestsPerSecondByRound: mine.map((run) => run.requestsPerSecond),
-      ratioTo: Object.fromEntries(others.map((other) => [other, medianOf((run) => run.ratioTo[other])!])),
-      ratioToBare: medianOf((run) => run.ratioToBare),
-      floor: mine[0]?.floor ?? null,
-      ratioToFloor: medianOf((run) => run.ratioToFloor),
+      ratioTo,
+      ratioToBare: setup === 'bare' ? 1 : ratioTo.bare ?? null,
+      floor,
+      ratioToFloor: floor === null ? null : ratioTo[floor] ?? null,
       measuredCpuUsPerRequest: medianOf((run) => run.measuredCpuUsPerRequest),
       cpuRatioTo: Object.fromEntries(others.flatMap((other) => {
-        const value = medianOf((run) => run.cpuRatioTo[other])
+        const value = slicedRatio(cpu(setup), cpu(other), true)
         return value === null ? [] : [[other, value]]
       })),
       p50Us: median(mine.map((run) => run.latencyUs.p50)),
