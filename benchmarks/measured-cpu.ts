@@ -20,12 +20,14 @@ import { readdirSync, readFileSync } from 'node:fs'
 
 /** /proc reports CPU times in USER_HZ ticks, which the kernel's ABI fixes at 100 per second. */
 const TICK_MS = 10
-const BACKENDS: ReadonlySet<string> = new Set(['postgres', 'redis-server'])
 
-/** CPU time so far, ms, of the process `serverPid` and of every PostgreSQL and Redis process. */
-export function measuredCpuMs (serverPid: number): number | null {
+/** The measured side's CPU so far, ms: the server's process, every PostgreSQL process, every Redis process. */
+export interface CpuSplit { server: number, postgres: number, redis: number }
+
+/** CPU time so far, ms, of the process `serverPid` and of every PostgreSQL and Redis process, apart; null off Linux. */
+export function measuredCpuSplitMs (serverPid: number): CpuSplit | null {
   if (process.platform !== 'linux') return null
-  let ticks = 0
+  const ticks = { server: 0, postgres: 0, redis: 0 }
   for (const entry of readdirSync('/proc')) {
     if (!/^\d+$/.test(entry)) continue
     let stat: string
@@ -33,11 +35,18 @@ export function measuredCpuMs (serverPid: number): number | null {
     // `pid (comm) state …`: comm may hold spaces or parentheses, so split after the last ')'
     const close = stat.lastIndexOf(')')
     const comm = stat.slice(stat.indexOf('(') + 1, close)
-    if (Number(entry) !== serverPid && !BACKENDS.has(comm)) continue
+    const which = Number(entry) === serverPid ? 'server' : comm === 'postgres' ? 'postgres' : comm === 'redis-server' ? 'redis' : null
+    if (which === null) continue
     const fields = stat.slice(close + 2).split(' ') // fields[0] is stat's 3rd field (state)
-    ticks += Number(fields[11]) + Number(fields[12]) // utime and stime, stat's 14th and 15th
+    ticks[which] += Number(fields[11]) + Number(fields[12]) // utime and stime, stat's 14th and 15th
   }
-  return ticks * TICK_MS
+  return { server: ticks.server * TICK_MS, postgres: ticks.postgres * TICK_MS, redis: ticks.redis * TICK_MS }
+}
+
+/** CPU time so far, ms, of the process `serverPid` and of every PostgreSQL and Redis process, together. */
+export function measuredCpuMs (serverPid: number): number | null {
+  const split = measuredCpuSplitMs(serverPid)
+  return split === null ? null : split.server + split.postgres + split.redis
 }
 
 /** µs of the measured side's CPU per request between two samples; null when either is missing. */

@@ -40,7 +40,7 @@ import { median, RATIOS, ratioName, ratioWithRounds } from './ratios.js'
 import { BODY } from './route.js'
 import { benchServices } from './services.js'
 import { cpuMsSince, pinning } from './pinning.js'
-import { cpuUsPerRequest, measuredCpuMs } from './measured-cpu.js'
+import { cpuUsPerRequest, measuredCpuSplitMs, type CpuSplit } from './measured-cpu.js'
 import { createBenchSchema, describeDatabase, truncateBenchSchema } from './schema.js'
 import { addRatios, SETUPS, summarise, table, type Counts, type Latency, type PerRequest, type Run, type Setup, type Summary } from './summary.js'
 import { evaluateTargets, targetsTable } from './targets.js'
@@ -433,8 +433,9 @@ interface Measuring {
   readonly initial: Stats
   readonly before: Stats
   readonly slices: autocannon.Result[]
-  /** The measured side's CPU in each slice, ms (null off Linux). */
+  /** The measured side's CPU in each slice, ms (null off Linux), and its parts summed over the slices. */
   readonly sliceCpuMs: Array<number | null>
+  readonly cpuSplitMs: CpuSplit
   generatorCpuMs: number
 }
 
@@ -449,17 +450,27 @@ async function warmUp (scenario: Scenario, instance: Instance): Promise<Measurin
   // The measured window opens on a quiet server: nothing the warm-up started is counted in it.
   const before = await settled(url)
   await resetLatency(url)
-  return { scenario, instance, tag, requests, warmup, initial, before, slices: [], sliceCpuMs: [], generatorCpuMs: 0 }
+  return { scenario, instance, tag, requests, warmup, initial, before, slices: [], sliceCpuMs: [], cpuSplitMs: { server: 0, postgres: 0, redis: 0 }, generatorCpuMs: 0 }
 }
 
 /** One slice of the measured load: `seconds` (quick mode: quickAmount's requests). */
 async function loadSlice (m: Measuring, seconds: number): Promise<void> {
   const generatorStart = process.cpuUsage()
-  const measuredStart = measuredCpuMs(m.instance.pid)
+  const measuredStart = measuredCpuSplitMs(m.instance.pid)
   m.slices.push(await load(m.instance.url, m.requests, seconds, m.scenario.connections, quickAmount(m.warmup, m.scenario)))
-  const measuredEnd = measuredCpuMs(m.instance.pid)
+  const measuredEnd = measuredCpuSplitMs(m.instance.pid)
   m.generatorCpuMs += cpuMsSince(generatorStart)
-  m.sliceCpuMs.push(measuredStart === null || measuredEnd === null ? null : measuredEnd - measuredStart)
+  if (measuredStart === null || measuredEnd === null) {
+    m.sliceCpuMs.push(null)
+    return
+  }
+  let total = 0
+  for (const part of ['server', 'postgres', 'redis'] as const) {
+    const used = measuredEnd[part] - measuredStart[part]
+    m.cpuSplitMs[part] += used
+    total += used
+  }
+  m.sliceCpuMs.push(total)
 }
 
 const sum = (values: readonly number[]): number => values.reduce((a, b) => a + b, 0)
@@ -490,6 +501,9 @@ async function finish (m: Measuring, round: number): Promise<Run> {
     // Near 1 (a whole CPU), autocannon itself is what bounds the request rate.
     generatorCpuShare: Math.round(m.generatorCpuMs / (duration * 1000) * 100) / 100,
     measuredCpuUsPerRequest: m.sliceCpuMs.includes(null) ? null : cpuUsPerRequest(0, sum(m.sliceCpuMs as number[]), requests),
+    measuredCpuSplitUsPerRequest: m.sliceCpuMs.includes(null)
+      ? null
+      : { server: cpuUsPerRequest(0, m.cpuSplitMs.server, requests)!, postgres: cpuUsPerRequest(0, m.cpuSplitMs.postgres, requests)!, redis: cpuUsPerRequest(0, m.cpuSplitMs.redis, requests)! },
     cpuRatioTo: {},
     connections: scenario.connections,
     latencyUs: after.latencyUs,

@@ -18,6 +18,9 @@ export interface Counts {
   redis: PerRequest | null
 }
 
+/** µs of CPU per request of the server's process, of PostgreSQL's processes and of Redis's. */
+export interface CpuSplitPerRequest { server: number, postgres: number, redis: number }
+
 export interface Latency { samples: number, p50: number, p99: number, p99_9: number }
 
 export interface Run {
@@ -37,6 +40,8 @@ export interface Run {
   generatorCpuShare: number
   /** The measured side's CPU per request (server + PostgreSQL + Redis, benchmarks/measured-cpu.ts), µs; null off Linux. */
   measuredCpuUsPerRequest: number | null
+  /** The same, by process: the server's, PostgreSQL's and Redis's (what a setup's cost is made of). */
+  measuredCpuSplitUsPerRequest: CpuSplitPerRequest | null
   /** Another setup's CPU per request over this one's, same round: req/s per CPU of the measured side, as a ratio. */
   cpuRatioTo: Record<string, number>
   connections: number
@@ -85,6 +90,8 @@ export interface Summary {
   ratioToFloor: number | null
   /** The measured side's CPU per request, µs (median over the rounds), and its slice-pair ratios (another setup's CPU per request over this one's). */
   measuredCpuUsPerRequest: number | null
+  /** Medians over the rounds of Run.measuredCpuSplitUsPerRequest. */
+  cpuSplitUsPerRequest: CpuSplitPerRequest | null
   cpuRatioTo: Record<string, number>
   /** Server-side latency, µs (medians over the rounds), and its ratio to bare's (medians of in-round ratios). */
   p50Us: number
@@ -177,6 +184,13 @@ export function summarise (runs: Run[], scenario: string, setups: readonly Setup
       floor,
       ratioToFloor: floor === null ? null : ratioTo[floor] ?? null,
       measuredCpuUsPerRequest: medianOf((run) => run.measuredCpuUsPerRequest),
+      cpuSplitUsPerRequest: mine.length === 0 || mine.some((run) => run.measuredCpuSplitUsPerRequest === null)
+        ? null
+        : {
+            server: medianOf((run) => run.measuredCpuSplitUsPerRequest?.server)!,
+            postgres: medianOf((run) => run.measuredCpuSplitUsPerRequest?.postgres)!,
+            redis: medianOf((run) => run.measuredCpuSplitUsPerRequest?.redis)!
+          },
       cpuRatioTo: Object.fromEntries(others.flatMap((other) => {
         const value = slicedRatio(cpu(setup), cpu(other), true)
         return value === null ? [] : [[other, value]]
@@ -214,7 +228,7 @@ function pair (load: number | null, probe: number | null): string {
 }
 
 export function table (title: string, rows: Summary[]): string {
-  const head = ['setup', 'req/s', '× bare', '× floor', 'p50 µs (× bare)', 'p99 µs (× bare)', 'p99.9 µs (× bare)', 'client p50/p99 ms', 'CPU µs/req', 'non-2xx', 'errors',
+  const head = ['setup', 'req/s', '× bare', '× floor', 'p50 µs (× bare)', 'p99 µs (× bare)', 'p99.9 µs (× bare)', 'client p50/p99 ms', 'CPU µs/req (app+PG+Redis)', 'non-2xx', 'errors',
     'PG stmts/req', 'PG RT/req', 'Redis cmds/req', 'Redis RT/req', 'peak RSS', 'req/s by round']
   const us = (value: number, toBare: number | null): string => `${Number.isFinite(value) ? Math.round(value) : '—'} (${fixed(toBare)})`
   const body = rows.map((row) => [
@@ -226,7 +240,9 @@ export function table (title: string, rows: Summary[]): string {
     us(row.p99Us, row.p99UsToBare),
     us(row.p99_9Us, row.p99_9UsToBare),
     `${row.clientP50Ms}/${row.clientP99Ms}`,
-    row.measuredCpuUsPerRequest === null ? '—' : String(Math.round(row.measuredCpuUsPerRequest)),
+    row.measuredCpuUsPerRequest === null
+      ? '—'
+      : `${Math.round(row.measuredCpuUsPerRequest)}${row.cpuSplitUsPerRequest === null ? '' : ` (${['server', 'postgres', 'redis'].map((part) => Math.round(row.cpuSplitUsPerRequest![part as keyof CpuSplitPerRequest])).join('+')})`}`,
     String(row.non2xx),
     String(row.errors),
     pair(row.pgStatements, row.probePgStatements),
