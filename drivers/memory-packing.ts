@@ -2,13 +2,17 @@
  * Compact storage of completed records for the memory store. A million records is the target
  * scale, and per-record overhead dominates small bodies: every Buffer with its own memory costs a
  * few hundred bytes of bookkeeping on top of its bytes, and every copied headers object another
- * hundred. So a completed record keeps its fingerprint digest and body as one view into a shared
- * slab, and identical header sets share one frozen object.
+ * hundred. So a completed record keeps its key, fingerprint digest and body as bytes in a shared
+ * slab (at an offset its row in the table holds, memory-table.ts), and identical header sets share
+ * one frozen object.
  *
  * Sharing must not hold memory the store does not count (issue 16): a slab lives as long as its
  * longest-lived record, and an interned header set as long as the table keeps it. So slabs are
- * shared only by records of one ttl, which expire in the order they were written, and interned sets
- * are counted by reference and leave the table with their last record.
+ * shared only by records of one ttl, which expire in the order they were written, and slabs and
+ * header sets are counted by reference and go with their last record.
+ *
+ * Records name slabs, header sets and algorithm names by id (a number in a typed array) rather than
+ * by reference: one object per record is what the table exists to avoid.
  */
 
 /** Records larger than this get memory of their own, so a large body never pins a slab. */
@@ -23,67 +27,97 @@ const COHORTS = 8
 /** What a Buffer with memory of its own costs beyond its bytes (its objects and allocation). */
 export const OWN_BUFFER_OVERHEAD = 96
 
-/** The records of one ttl: the slab they are being packed into. */
+/** The records of one ttl: the slab they are being packed into (its id, or -1 before the first). */
 interface Cohort {
-  slab: Buffer | null
+  slab: number
   offset: number
 }
 
 export class Slabs {
+  /** By id; null once free (the id is then reused). */
+  readonly #buffers: Array<Buffer | null> = []
+  /**
+   * References to each: one per record packed into it, and its cohort's own while it is the one
+   * being filled (so a slab whose records all went early is kept for the records still to come).
+   */
+  readonly #refs: number[] = []
+  /** Whether each is a record's memory of its own (its overhead is then the record's). */
+  readonly #own: boolean[] = []
+  readonly #freeIds: number[] = []
   readonly #cohorts = new Map<number, Cohort>()
   // Nearly every store has one ttl: the last cohort is kept at hand, without a map lookup.
   #lastTtl = Number.NaN
   #lastCohort: Cohort | null = null
-  #last: Buffer = Buffer.alloc(0)
-  #own = false
+  #last = -1
 
-  /** The buffer the last `pack` wrote to (a slab, or a record's own). */
-  get last (): Buffer { return this.#last }
+  /** The id of the buffer the last `pack` reserved room in (a slab, or a record's own). */
+  get last (): number { return this.#last }
 
-  /** Whether the last `pack` gave the record memory of its own (its overhead is then the record's). */
-  get own (): boolean { return this.#own }
+  buffer (id: number): Buffer {
+    return this.#buffers[id] as Buffer
+  }
+
+  isOwn (id: number): boolean {
+    return this.#own[id] === true
+  }
 
   /**
-   * Copies `first` then `second` into fresh memory and returns their offset in `last`. Small
-   * records of one ttl share slabs: they expire in the order they were written (written at t, gone
-   * at t + ttl), so a slab is garbage soon after its last record goes, and outlives its first by at
-   * most the time it took to fill. A slab shared by records of different ttls would live as long as
-   * its longest-lived record: one tiny record with a long ttl in each kept 256 KiB of short-lived
-   * neighbours alive, uncounted. Copying never aliases the caller's (possibly pooled) buffers. The
-   * caller keeps (buffer, offset, length) rather than a view: a view is an object of its own per
-   * record.
+   * Reserves `length` bytes of fresh memory for one record and returns their offset in the buffer
+   * `last` names, which holds one more reference until `release`. Small records of one ttl share
+   * slabs: they expire in the order they were written (written at t, gone at t + ttl), so a slab
+   * goes soon after its last record, and outlives its first by at most the time it took to fill. A
+   * slab shared by records of different ttls would live as long as its longest-lived record: one
+   * tiny record with a long ttl in each kept 256 KiB of short-lived neighbours alive, uncounted.
+   * The caller copies into it (never aliasing its caller's, possibly pooled, buffers).
    */
-  pack (first: Buffer, second: Buffer | null, ttlMs: number): number {
-    const length = first.length + (second?.length ?? 0)
+  pack (length: number, ttlMs: number): number {
     const cohort = length > SLAB_RECORD_LIMIT ? null : ttlMs === this.#lastTtl ? this.#lastCohort : this.#cohortOf(ttlMs)
-    let target: Buffer
+    let id: number
     let offset: number
     if (cohort === null) {
-      target = Buffer.allocUnsafeSlow(length)
+      id = this.#add(Buffer.allocUnsafeSlow(length), true)
       offset = 0
     } else {
-      if (cohort.slab === null || cohort.offset + length > SLAB_SIZE) {
-        cohort.slab = Buffer.allocUnsafeSlow(SLAB_SIZE)
+      if (cohort.slab === -1 || cohort.offset + length > SLAB_SIZE) {
+        const full = cohort.slab
+        cohort.slab = this.#add(Buffer.allocUnsafeSlow(SLAB_SIZE), false)
         cohort.offset = 0
+        // The cohort's own reference: the full slab now goes with its last record.
+        if (full !== -1) this.release(full)
       }
-      target = cohort.slab
+      id = cohort.slab
       offset = cohort.offset
-      // 8-byte alignment keeps views cheap to create and compare.
+      // 8-byte alignment: each record starts on a word boundary, where the copies into it begin.
       cohort.offset += (length + 7) & ~7
     }
-    // TypedArray#set: a builtin, cheaper per call than Buffer#copy for these small copies.
-    target.set(first, offset)
-    if (second !== null) target.set(second, offset + first.length)
-    this.#last = target
-    this.#own = cohort === null
+    this.#refs[id] = (this.#refs[id] as number) + 1
+    this.#last = id
     return offset
+  }
+
+  /** One reference fewer: the last one frees the buffer (for the GC) and its id (for reuse). */
+  release (id: number): void {
+    const refs = (this.#refs[id] as number) - 1
+    this.#refs[id] = refs
+    if (refs > 0) return
+    this.#buffers[id] = null
+    this.#freeIds.push(id)
+  }
+
+  #add (buffer: Buffer, own: boolean): number {
+    const id = this.#freeIds.pop() ?? this.#buffers.length
+    this.#buffers[id] = buffer
+    // A slab starts with its cohort's reference; a record's own memory with none (pack adds the record's).
+    this.#refs[id] = own ? 0 : 1
+    this.#own[id] = own
+    return id
   }
 
   #cohortOf (ttlMs: number): Cohort | null {
     let cohort = this.#cohorts.get(ttlMs)
     if (cohort === undefined) {
       if (this.#cohorts.size >= COHORTS) return null
-      cohort = { slab: null, offset: 0 }
+      cohort = { slab: -1, offset: 0 }
       this.#cohorts.set(ttlMs, cohort)
     }
     this.#lastTtl = ttlMs
@@ -92,10 +126,14 @@ export class Slabs {
   }
 
   clear (): void {
+    this.#buffers.length = 0
+    this.#refs.length = 0
+    this.#own.length = 0
+    this.#freeIds.length = 0
     this.#cohorts.clear()
     this.#lastTtl = Number.NaN
     this.#lastCohort = null
-    this.#last = Buffer.alloc(0)
+    this.#last = -1
   }
 }
 
@@ -112,6 +150,8 @@ export class HeaderSet {
   refs = 0
 
   constructor (
+    /** What records name it by, in the HeaderSets that made it. */
+    readonly id: number,
     readonly value: Headers,
     /** Bytes counted for each record that uses it: the names' and values' characters. */
     readonly bytes: number,
@@ -126,14 +166,21 @@ const INTERN_BYTES_LIMIT = 4096
 /** Interned sets at most, per table: hostile variety cannot grow it. */
 const INTERNED_HEADER_SETS = 1024
 
-/** Frozen header sets shared between records, each dropped from the table with its last record. */
+/**
+ * Frozen header sets shared between records, each dropped from the table with its last record.
+ * Every set in use, interned or a record's own, has an id until its last record goes.
+ */
 export class HeaderSets {
   readonly #sets = new Map<string, HeaderSet>()
 
   /** The sets that hold one Content-Type alone (nearly every response), by its value: no signature to build. */
   readonly #byContentType = new Map<string, HeaderSet>()
 
-  /** The set to record for `headers` (one more reference to it); `release` it when the record goes. */
+  /** Every set in use, by id (null: a free id). */
+  readonly #byId: Array<HeaderSet | null> = []
+  readonly #freeIds: number[] = []
+
+  /** The set to record for `headers` (one more reference to it); `release` its id when the record goes. */
   intern (headers: Readonly<Record<string, string | readonly string[]>>): HeaderSet {
     const names = Object.keys(headers)
     const only = names.length === 1 && names[0] === 'content-type' ? headers['content-type'] : undefined
@@ -142,7 +189,7 @@ export class HeaderSets {
       set = this.#byContentType.get(only)
       if (set === undefined) {
         const table = this.#byContentType.size < INTERNED_HEADER_SETS ? this.#byContentType : null
-        set = new HeaderSet(Object.freeze({ 'content-type': only }), 'content-type'.length + only.length, table === null ? null : only, table)
+        set = this.#add(Object.freeze({ 'content-type': only }), 'content-type'.length + only.length, table === null ? null : only, table)
         table?.set(only, set)
       }
     } else {
@@ -151,7 +198,7 @@ export class HeaderSets {
       set = signature === null ? undefined : this.#sets.get(signature)
       if (set === undefined) {
         const table = signature !== null && this.#sets.size < INTERNED_HEADER_SETS ? this.#sets : null
-        set = new HeaderSet(frozenCopy(headers, names), bytes, table === null ? null : signature, table)
+        set = this.#add(frozenCopy(headers, names), bytes, table === null ? null : signature, table)
         if (table !== null) table.set(signature as string, set)
       }
     }
@@ -159,15 +206,75 @@ export class HeaderSets {
     return set
   }
 
-  /** One reference fewer: the last one takes the set out of its table, so the GC can free it. */
-  release (set: HeaderSet): void {
-    if (--set.refs > 0 || set.table === null) return
-    if (set.table.get(set.signature as string) === set) set.table.delete(set.signature as string)
+  byId (id: number): HeaderSet {
+    return this.#byId[id] as HeaderSet
+  }
+
+  /** One reference fewer: the last one takes the set out of its table and frees its id, so the GC can free it. */
+  release (id: number): void {
+    const set = this.#byId[id] as HeaderSet
+    if (--set.refs > 0) return
+    this.#byId[id] = null
+    this.#freeIds.push(id)
+    if (set.table !== null && set.table.get(set.signature as string) === set) set.table.delete(set.signature as string)
+  }
+
+  #add (value: Headers, bytes: number, signature: string | null, table: Map<string, HeaderSet> | null): HeaderSet {
+    const set = new HeaderSet(this.#freeIds.pop() ?? this.#byId.length, value, bytes, signature, table)
+    this.#byId[set.id] = set
+    return set
   }
 
   clear (): void {
     this.#sets.clear()
     this.#byContentType.clear()
+    this.#byId.length = 0
+    this.#freeIds.length = 0
+  }
+}
+
+/**
+ * Strings shared by completed records, by id, counted by reference: their fingerprints' algorithm
+ * names (a few per app: one per fingerprint function, and per key of an encryption keyring).
+ */
+export class Names {
+  readonly #ids = new Map<string, number>()
+  /** By id (null: a free id). */
+  readonly #names: Array<string | null> = []
+  readonly #refs: number[] = []
+  readonly #freeIds: number[] = []
+
+  /** The id of `name`, with one more reference to it; `release` it when the record goes. */
+  intern (name: string): number {
+    let id = this.#ids.get(name)
+    if (id === undefined) {
+      id = this.#freeIds.pop() ?? this.#names.length
+      this.#ids.set(name, id)
+      this.#names[id] = name
+      this.#refs[id] = 0
+    }
+    this.#refs[id] = (this.#refs[id] as number) + 1
+    return id
+  }
+
+  name (id: number): string {
+    return this.#names[id] as string
+  }
+
+  release (id: number): void {
+    const refs = (this.#refs[id] as number) - 1
+    this.#refs[id] = refs
+    if (refs > 0) return
+    this.#ids.delete(this.#names[id] as string)
+    this.#names[id] = null
+    this.#freeIds.push(id)
+  }
+
+  clear (): void {
+    this.#ids.clear()
+    this.#names.length = 0
+    this.#refs.length = 0
+    this.#freeIds.length = 0
   }
 }
 

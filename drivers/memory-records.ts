@@ -1,84 +1,102 @@
 /**
- * The memory store's records by (scope, key): a map of scopes, each a bucket holding a map of keys.
- * A million records is the target scale, and a key built from both (`${scope.length}:${scope}${key}`)
- * was a string of its own per record, a rope of three that V8 flattened on every lookup, on top of
- * the key it was built from. Scopes are few and shared; the key is kept once, as a compact copy (the
- * parser hands keys over as slices of the header's string, which would keep that string alive too).
+ * The memory store's scopes: a map of scopes, each a bucket. A bucket holds the scope's records in
+ * progress by key (JS objects: few at a time, and they carry tokens, leases and steps); its completed
+ * records are rows of the table (memory-table.ts), which names the bucket by a number, its id, so
+ * that a row holds no reference. A scope's key was once joined with its scope into one string
+ * (`${scope.length}:${scope}${key}`): a string of its own per record, a rope of three that V8
+ * flattened on every lookup. Scopes are few and shared.
  *
  * A scope's bucket also carries what the scope holds (its records and bytes), so the store can bound
  * each scope to its share (issue 16: one tenant must not fill the store for every tenant) with a
- * counter read per claim, not a scan. A record points at its bucket (in place of its scope string:
- * no extra field), so deleting a record needs no lookup of its scope.
+ * counter read per claim, not a scan. A record in progress points at its bucket (in place of its
+ * scope string: no extra field), so deleting a record needs no lookup of its scope.
  */
 
 /** One scope's records and what they hold. */
 export class Bucket<E> {
-  readonly keys = new Map<string, E>()
+  /** Its records in progress, by key. */
+  readonly pending = new Map<string, E>()
+  /** Its records, in progress and completed: what `maxEntriesPerScope` bounds. */
+  records = 0
   /** Bytes the scope's records hold, counted as the store counts them against `maxBytesPerScope`. */
   bytes = 0
   /** When the scope's own expired records were last swept to make room in its share (ms). */
   lastPurge = -Infinity
+  /** What the table's rows name it by while it holds records; -1 before its first and after its last. */
+  id = -1
 
   constructor (readonly scope: string) {}
-}
-
-export interface Keyed<E> {
-  readonly bucket: Bucket<E>
-  readonly key: string
 }
 
 /** Latin-1 text (every key the plugin accepts is ASCII) is copied into a string of its own. */
 const LATIN1 = /^[\x00-\xff]*$/
 
+/**
+ * The key a record in progress keeps: a compact copy (the parser hands keys over as slices of the
+ * header's string, which would keep that string alive too).
+ */
 export function compactKey (key: string): string {
   return LATIN1.test(key) ? Buffer.from(key, 'latin1').toString('latin1') : key
 }
 
-export class Records<E extends Keyed<E>> {
+export class Buckets<E> {
   readonly #scopes = new Map<string, Bucket<E>>()
-  #size = 0
+  /** The buckets holding records, by id (null: a free id). */
+  readonly #byId: Array<Bucket<E> | null> = []
+  readonly #freeIds: number[] = []
+  #records = 0
 
-  get size (): number { return this.#size }
+  /** Records of every scope, in progress and completed. */
+  get records (): number { return this.#records }
 
   /** How many scopes hold at least one record. */
   get scopes (): number { return this.#scopes.size }
 
-  get (scope: string, key: string): E | undefined {
-    return this.#scopes.get(scope)?.keys.get(key)
+  /** The scope's bucket, if it holds records. */
+  find (scope: string): Bucket<E> | undefined {
+    return this.#scopes.get(scope)
   }
 
-  /** The scope's bucket: the one in use, or a new one that `add` registers with its first record. */
+  /** The scope's bucket: the one in use, or a new one that `added` registers with its first record. */
   bucketOf (scope: string): Bucket<E> {
     return this.#scopes.get(scope) ?? new Bucket<E>(scope)
   }
 
-  /** Adds `entry` (its bucket from `bucketOf`), which must not be there yet. */
-  add (entry: E): void {
-    const bucket = entry.bucket
+  byId (id: number): Bucket<E> {
+    return this.#byId[id] as Bucket<E>
+  }
+
+  /** One more record in `bucket` (from `bucketOf`): its first registers it, and gives it an id. */
+  added (bucket: Bucket<E>): void {
     // A bucket whose last record went (a purge while this claim made room) is registered again.
-    if (bucket.keys.size === 0) this.#scopes.set(bucket.scope, bucket)
-    bucket.keys.set(entry.key, entry)
-    this.#size++
+    if (bucket.records++ === 0) {
+      bucket.id = this.#freeIds.pop() ?? this.#byId.length
+      this.#byId[bucket.id] = bucket
+      this.#scopes.set(bucket.scope, bucket)
+    }
+    this.#records++
   }
 
-  /** Deletes `entry`; false when it was not there (so nothing it held is counted off twice). */
-  delete (entry: E): boolean {
-    const bucket = entry.bucket
-    if (bucket.keys.get(entry.key) !== entry) return false
-    bucket.keys.delete(entry.key)
-    this.#size--
-    // A scope's bucket goes with its last record: scopes come and go (tenants), they must not pile up.
-    if (bucket.keys.size === 0 && this.#scopes.get(bucket.scope) === bucket) this.#scopes.delete(bucket.scope)
-    return true
+  /** One record fewer in `bucket`. A scope's bucket goes with its last record: scopes come and go (tenants), they must not pile up. */
+  removed (bucket: Bucket<E>): void {
+    this.#records--
+    if (--bucket.records > 0) return
+    if (this.#scopes.get(bucket.scope) === bucket) this.#scopes.delete(bucket.scope)
+    // No row names it any more: the id can name another scope.
+    this.#byId[bucket.id] = null
+    this.#freeIds.push(bucket.id)
+    bucket.id = -1
   }
 
-  /** Every record; deleting records meanwhile is safe (Map iteration skips what was deleted). */
-  * [Symbol.iterator] (): IterableIterator<E> {
-    for (const bucket of this.#scopes.values()) yield * bucket.keys.values()
+  /** Every record in progress; deleting records meanwhile is safe (Map iteration skips what was deleted). */
+  * pending (): IterableIterator<E> {
+    for (const bucket of this.#scopes.values()) yield * bucket.pending.values()
   }
 
   clear (): void {
     this.#scopes.clear()
-    this.#size = 0
+    this.#byId.length = 0
+    this.#freeIds.length = 0
+    this.#records = 0
   }
 }

@@ -1,7 +1,8 @@
 import { randomUUID } from 'node:crypto'
 import { fingerprintsEqual } from '../lib/fingerprint.js'
-import { HeaderSets, OWN_BUFFER_OVERHEAD, Slabs, type HeaderSet } from './memory-packing.js'
-import { compactKey, Records, type Bucket } from './memory-records.js'
+import { HeaderSets, Names } from './memory-packing.js'
+import { Buckets, compactKey, type Bucket } from './memory-records.js'
+import { CompletedTable, NONE, ROW_BYTES } from './memory-table.js'
 import { InvalidOptionError } from '../lib/errors.js'
 import { integerOption, MAX_TIMER_MS } from '../lib/validate.js'
 import type { InspectedRecord, RecoveryTools } from '../lib/admin.js'
@@ -66,38 +67,25 @@ export class MemoryStoreFullError extends Error {
   }
 }
 
-interface Entry {
+/**
+ * A record in progress: a JS object in its bucket's map (few at a time, and each carries a token,
+ * a lease, steps). Once completed, a record is a row of the table (memory-table.ts) instead.
+ */
+interface Pending {
   /** The scope's bucket (its scope, and what the scope holds). */
-  readonly bucket: Bucket<Entry>
+  readonly bucket: Bucket<Pending>
   readonly key: string
-  state: 'in_progress' | 'completed'
-  /** In progress: the request's fingerprint. Completed: null, its digest is packed with the body. */
-  fingerprint: Fingerprint | null
-  readonly algorithm: string
+  readonly fingerprint: Fingerprint
   token: string
   leaseUntil: number
   expiresAt: number
-  /**
-   * Completed: the slab holding the digest bytes followed by the body bytes, at `offset`, `length`
-   * bytes in all (see memory-packing.ts). Views on it are made when a record is read, so a record
-   * holds no Buffer object of its own.
-   */
-  slab: Buffer | null
-  offset: number
-  length: number
-  digestLength: number
-  /** Completed: false when the body was not retained (over maxResponseBytes). */
-  retained: boolean
-  statusCode: number
-  /** Completed: the recorded headers, frozen deep down and shared with identical sets (memory-packing.ts). */
-  headers: HeaderSet | null
   /** Counted against maxBytes, and against its scope's maxBytesPerScope. */
   bytes: number
-  /** In progress: recorded step results (JSON text by name), or null before the first. */
+  /** Recorded step results (JSON text by name), or null before the first. */
   steps: Map<string, string> | null
-  /** In progress: held for the reconciler after an indeterminate failure; never taken over by a retry. */
+  /** Held for the reconciler after an indeterminate failure; never taken over by a retry. */
   indeterminate: boolean
-  createdAt: number
+  readonly createdAt: number
 }
 
 /** Every memory store made, so the plugin can warn where one cannot be shared (production, a cluster worker). */
@@ -107,12 +95,20 @@ export function isMemoryStore (store: unknown): boolean {
   return typeof store === 'object' && store !== null && stores.has(store)
 }
 
-/** Per-record bookkeeping (Map slot, entry object, timestamps) counted against `maxBytes`. */
-const ENTRY_OVERHEAD = 160
+/**
+ * Bytes counted for a record in progress beyond its scope's and key's characters: its object (ten
+ * fields), its map slot, its token.
+ */
+const IN_PROGRESS_OVERHEAD = 160
+/**
+ * Bytes counted for a completed record beyond its slab bytes (key, digest, body) and its headers:
+ * its row in the table and its index slots (ROW_BYTES: 76, memory-table.ts), four times over. The
+ * table doubles when full and halves once a quarter full, so a record's share of it is at most that.
+ */
+const COMPLETED_OVERHEAD = 4 * ROW_BYTES
 const SWEEP_SLICE = 10_000
 /** The default per-scope bounds are this fraction of the store's: four tenants at their share fill it. */
 const SCOPE_SHARE = 4
-const NO_HEADERS: Readonly<Record<string, string>> = Object.freeze({})
 
 /**
  * The embedded default: one process, nothing to install. Every operation runs synchronously inside
@@ -130,9 +126,11 @@ export function memoryStore (options: MemoryStoreOptions = {}): MemoryStore {
   const now = options.now ?? Date.now
   if (typeof now !== 'function') throw new InvalidOptionError('memoryStore option "now"', 'a function returning ms since the epoch', now)
 
-  const entries = new Records<Entry>()
-  const slabs = new Slabs()
+  const buckets = new Buckets<Pending>()
+  // Never more completed records than maxEntries: the table need not grow past it.
+  const table = new CompletedTable({ maxCapacity: maxEntries })
   const headerSets = new HeaderSets()
+  const algorithms = new Names()
   let bytes = 0
   let lastFullPurge = -Infinity
   let sweeping = false
@@ -141,34 +139,76 @@ export function memoryStore (options: MemoryStoreOptions = {}): MemoryStore {
   const timer = purgeInterval > 0 ? setInterval(sweep, purgeInterval) : null
   timer?.unref()
 
-  function live (scope: string, key: string, at: number): Entry | undefined {
-    return unexpired(entries.get(scope, key), at)
-  }
-
-  function unexpired (entry: Entry | undefined, at: number): Entry | undefined {
-    if (entry !== undefined && entry.expiresAt <= at) {
-      drop(entry)
-      return undefined
+  /**
+   * The live record at (scope, key): in progress (its object) or completed (its id in the table).
+   * An expired record found there is dropped, whichever the kind.
+   */
+  function recordAt (scope: string, key: string, at: number): Pending | number | undefined {
+    const bucket = buckets.find(scope)
+    if (bucket === undefined) return undefined
+    const entry = bucket.pending.get(key)
+    if (entry === undefined) {
+      const id = completedAt(bucket, key, at)
+      return id === NONE ? undefined : id
     }
-    return entry
+    if (entry.expiresAt > at) return entry
+    dropPending(entry)
+    return undefined
   }
 
-  function drop (entry: Entry): void {
-    if (!entries.delete(entry)) return
-    count(entry, -entry.bytes)
-    if (entry.headers !== null) headerSets.release(entry.headers)
+  /** The live record in progress at (scope, key); an expired record found there is dropped (recordAt). */
+  function pendingAt (scope: string, key: string, at: number): Pending | undefined {
+    const found = recordAt(scope, key, at)
+    return typeof found === 'object' ? found : undefined
   }
 
-  /** Counts `size` more bytes (fewer when negative) for the record, its scope and the store. */
-  function count (entry: Entry, size: number): void {
-    entry.bytes += size
-    entry.bucket.bytes += size
+  /** The id of the live completed record of `bucket` under `key`, or NONE; an expired one is dropped. */
+  function completedAt (bucket: Bucket<Pending>, key: string, at: number): number {
+    if (bucket.id < 0) return NONE
+    const id = table.find(bucket.id, key)
+    if (id === NONE || table.expiresAt(id) > at) return id
+    dropCompleted(id)
+    return NONE
+  }
+
+  function dropPending (entry: Pending): void {
+    const bucket = entry.bucket
+    // Not there: dropped already, so nothing it held is counted off twice.
+    if (bucket.pending.get(entry.key) !== entry) return
+    bucket.pending.delete(entry.key)
+    count(bucket, -entry.bytes)
+    buckets.removed(bucket)
+  }
+
+  function dropCompleted (id: number): void {
+    const bucket = buckets.byId(table.bucketOf(id))
+    count(bucket, -completedBytes(id))
+    headerSets.release(table.headersOf(id))
+    algorithms.release(table.algorithmOf(id))
+    table.delete(id)
+    buckets.removed(bucket)
+  }
+
+  /** What a completed record is counted for: the same figure when it is recorded and when it goes. */
+  function completedBytes (id: number): number {
+    return COMPLETED_OVERHEAD + headerSets.byId(table.headersOf(id)).bytes + table.heldBytes(id)
+  }
+
+  /** Counts `size` more bytes (fewer when negative) for a scope and the store. */
+  function count (bucket: Bucket<Pending>, size: number): void {
+    bucket.bytes += size
     bytes += size
   }
 
-  function owned (lease: Lease, at: number): Entry | undefined {
-    const entry = live(lease.scope, lease.key, at)
-    return entry !== undefined && entry.state === 'in_progress' && entry.token === lease.token ? entry : undefined
+  /** Counts `size` more bytes (fewer when negative) for a record in progress, its scope and the store. */
+  function countPending (entry: Pending, size: number): void {
+    entry.bytes += size
+    count(entry.bucket, size)
+  }
+
+  function owned (lease: Lease, at: number): Pending | undefined {
+    const entry = pendingAt(lease.scope, lease.key, at)
+    return entry !== undefined && entry.token === lease.token ? entry : undefined
   }
 
   /**
@@ -176,35 +216,43 @@ export function memoryStore (options: MemoryStoreOptions = {}): MemoryStore {
    * hot path; a scan only when a bound is reached. No live record is ever dropped to make room (it
    * would let its operation run again): not another scope's, and not the claiming scope's own.
    */
-  function makeRoom (bucket: Bucket<Entry>, at: number): void {
-    if (entries.size < maxEntries && bytes < maxBytes && bucket.keys.size < maxEntriesPerScope && bucket.bytes < maxBytesPerScope) return
-    if (entries.size >= maxEntries || bytes >= maxBytes) {
+  function makeRoom (bucket: Bucket<Pending>, at: number): void {
+    if (buckets.records < maxEntries && bytes < maxBytes && bucket.records < maxEntriesPerScope && bucket.bytes < maxBytesPerScope) return
+    if (buckets.records >= maxEntries || bytes >= maxBytes) {
       // A full scan at most once a second, so a store full of live records refuses quickly.
       if (at - lastFullPurge >= 1000) {
         lastFullPurge = at
         purge(Infinity, at)
       }
-      if (entries.size >= maxEntries) throw new MemoryStoreFullError(`${maxEntries} records`)
+      if (buckets.records >= maxEntries) throw new MemoryStoreFullError(`${maxEntries} records`)
       if (bytes >= maxBytes) throw new MemoryStoreFullError(`${maxBytes} bytes`)
     }
-    if (bucket.keys.size >= maxEntriesPerScope || bucket.bytes >= maxBytesPerScope) {
+    if (bucket.records >= maxEntriesPerScope || bucket.bytes >= maxBytesPerScope) {
       // The scope's own records only, at most once a second per scope: a tenant at its share pays
       // for scanning what it holds, and nobody else does.
       if (at - bucket.lastPurge >= 1000) {
         bucket.lastPurge = at
-        for (const entry of bucket.keys.values()) if (entry.expiresAt <= at) drop(entry)
+        if (bucket.id >= 0) for (const id of table.expiredIn(bucket.id, at)) dropCompleted(id)
+        for (const entry of bucket.pending.values()) if (entry.expiresAt <= at) dropPending(entry)
       }
-      if (bucket.keys.size >= maxEntriesPerScope) throw new MemoryStoreFullError(`maxEntriesPerScope: ${maxEntriesPerScope} records`, true)
+      if (bucket.records >= maxEntriesPerScope) throw new MemoryStoreFullError(`maxEntriesPerScope: ${maxEntriesPerScope} records`, true)
       if (bucket.bytes >= maxBytesPerScope) throw new MemoryStoreFullError(`maxBytesPerScope: ${maxBytesPerScope} bytes`, true)
     }
   }
 
   function purge (limit: number, at: number): number {
     let purged = 0
-    for (const entry of entries) {
+    // From the top row down: a deleted row is filled with one already looked at (CompletedTable.delete).
+    for (let id = table.size - 1; id >= 0 && purged < limit; id--) {
+      if (table.expiresAt(id) <= at) {
+        dropCompleted(id)
+        purged++
+      }
+    }
+    for (const entry of buckets.pending()) {
       if (purged >= limit) break
       if (entry.expiresAt <= at) {
-        drop(entry)
+        dropPending(entry)
         purged++
       }
     }
@@ -212,46 +260,79 @@ export function memoryStore (options: MemoryStoreOptions = {}): MemoryStore {
   }
 
   // The timer sweeps in slices, yielding to the event loop between them, so claims never wait
-  // behind a scan of a large map.
+  // behind a scan of a large table: its rows from the top down, then the records in progress.
+  // Rows go and come between slices; those below `next` are still the ones to look at
+  // (CompletedTable.delete says why), and rows added meanwhile are left for the next sweep.
   function sweep (): void {
     if (sweeping || closed) return
     sweeping = true
-    const iterator = entries[Symbol.iterator]()
+    let next = table.size
+    let inProgress: Iterator<Pending> | null = null
     const step = (): void => {
       if (closed) { sweeping = false; return }
       const at = now()
-      for (let i = 0; i < SWEEP_SLICE; i++) {
-        const next = iterator.next()
-        if (next.done === true) { sweeping = false; return }
-        if (next.value.expiresAt <= at) drop(next.value)
+      let budget = SWEEP_SLICE
+      next = Math.min(next, table.size)
+      for (; next > 0 && budget > 0; budget--) {
+        next--
+        if (table.expiresAt(next) <= at) dropCompleted(next)
+      }
+      if (next === 0) {
+        inProgress ??= buckets.pending()
+        for (; budget > 0; budget--) {
+          const item = inProgress.next()
+          if (item.done === true) { sweeping = false; return }
+          if (item.value.expiresAt <= at) dropPending(item.value)
+        }
       }
       setImmediate(step).unref()
     }
     step()
   }
 
-  function recordOf (entry: Entry, at: number): StoredRecord {
-    return entry.state === 'completed'
-      ? { state: 'completed', fingerprint: fingerprintOf(entry), response: responseOf(entry) }
-      : { state: 'in_progress', fingerprint: fingerprintOf(entry), leaseRemainingMs: Math.max(0, entry.leaseUntil - at) }
+  function completedFingerprint (id: number): Fingerprint {
+    return { algorithm: algorithms.name(table.algorithmOf(id)), digest: table.digest(id) }
   }
 
-  function dropSteps (entry: Entry): void {
-    if (entry.steps === null) return
-    let size = 0
-    for (const [name, json] of entry.steps) size += (name.length + json.length) * 2
-    entry.steps = null
-    count(entry, -size)
+  function completedResponse (id: number): StoredResponse {
+    return {
+      statusCode: table.statusCode(id),
+      // Frozen deep down (memory-packing.ts): what a caller is handed cannot change the record.
+      headers: headerSets.byId(table.headersOf(id)).value as StoredResponse['headers'],
+      body: table.body(id)
+    }
   }
 
+  function recordOf (found: Pending | number, at: number): StoredRecord {
+    return typeof found === 'number'
+      ? { state: 'completed', fingerprint: completedFingerprint(found), response: completedResponse(found) }
+      : { state: 'in_progress', fingerprint: found.fingerprint, leaseRemainingMs: Math.max(0, found.leaseUntil - at) }
+  }
+
+  function inspected (id: RecordId, found: Pending | number, at: number): InspectedRecord {
+    if (typeof found === 'object') return inspectedPending(id, found, at)
+    return {
+      scope: id.scope,
+      key: id.key,
+      state: 'completed',
+      fingerprint: completedFingerprint(found),
+      indeterminate: table.indeterminate(found),
+      // A completed record keeps no steps: its response is what a retry gets.
+      steps: {},
+      createdAt: new Date(table.createdAt(found)),
+      leaseRemainingMs: 0,
+      expiresInMs: table.expiresAt(found) - at,
+      response: completedResponse(found)
+    }
+  }
 
   const reconcileSource: ReconcileSource = {
     async findStuck (olderThanMs, limit) {
       const at = now()
       const found: Array<RecordId & { token: string }> = []
-      for (const entry of entries) {
+      for (const entry of buckets.pending()) {
         if (found.length >= limit) break
-        if (entry.state === 'in_progress' && entry.expiresAt > at && entry.leaseUntil + olderThanMs <= at) {
+        if (entry.expiresAt > at && entry.leaseUntil + olderThanMs <= at) {
           found.push({ scope: entry.bucket.scope, key: entry.key, token: entry.token })
         }
       }
@@ -259,14 +340,14 @@ export function memoryStore (options: MemoryStoreOptions = {}): MemoryStore {
     },
     async acquire (candidate, olderThanMs, leaseMs) {
       const at = now()
-      const entry = live(candidate.scope, candidate.key, at)
-      if (entry === undefined || entry.state !== 'in_progress' || entry.token !== candidate.token || entry.leaseUntil + olderThanMs > at) return null
+      const entry = pendingAt(candidate.scope, candidate.key, at)
+      if (entry === undefined || entry.token !== candidate.token || entry.leaseUntil + olderThanMs > at) return null
       entry.token = randomUUID()
       entry.leaseUntil = at + leaseMs
       outliveLease(entry)
       return {
         lease: { scope: candidate.scope, key: candidate.key, token: entry.token },
-        fingerprint: fingerprintOf(entry),
+        fingerprint: entry.fingerprint,
         steps: stepsOf(entry),
         indeterminate: entry.indeterminate,
         createdAt: new Date(entry.createdAt)
@@ -296,38 +377,42 @@ export function memoryStore (options: MemoryStoreOptions = {}): MemoryStore {
   // Every operation runs synchronously within one call; the plugin calls these directly (lib/store.ts).
   function claim (request: ClaimRequest): ClaimResult {
     const at = now()
-    const bucket = entries.bucketOf(request.scope)
-    const entry = unexpired(bucket.keys.get(request.key), at)
-    if (entry === undefined) {
-      makeRoom(bucket, at)
-      const token = randomUUID()
-      const created: Entry = {
-        bucket,
-        key: compactKey(request.key),
-        state: 'in_progress',
-        fingerprint: request.fingerprint,
-        algorithm: request.fingerprint.algorithm,
-        token,
-        leaseUntil: at + request.leaseMs,
-        expiresAt: at + request.ttlMs,
-        slab: null,
-        offset: 0,
-        length: 0,
-        digestLength: 0,
-        retained: false,
-        statusCode: 0,
-        headers: null,
-        bytes: 0,
-        steps: null,
-        indeterminate: false,
-        createdAt: at
+    const bucket = buckets.bucketOf(request.scope)
+    // Nothing in flight (a replay, usually): the map is not asked, so V8 does not hash a new key string only to miss.
+    const entry = bucket.pending.size === 0 ? undefined : bucket.pending.get(request.key)
+    if (entry !== undefined && entry.expiresAt > at) return claimInProgress(entry, request, at)
+    if (entry !== undefined) {
+      dropPending(entry)
+    } else {
+      const id = completedAt(bucket, request.key, at)
+      if (id !== NONE) {
+        return { outcome: 'completed', fingerprint: completedFingerprint(id), response: completedResponse(id), expiresInMs: table.expiresAt(id) - at }
       }
-      outliveLease(created)
-      entries.add(created)
-      count(created, ENTRY_OVERHEAD + (request.scope.length + request.key.length) * 2)
-      return { outcome: 'acquired', lease: { scope: request.scope, key: request.key, token }, takeover: false }
     }
-    if (entry.state === 'in_progress' && entry.leaseUntil <= at && !entry.indeterminate && fingerprintsEqual(fingerprintOf(entry), request.fingerprint)) {
+    makeRoom(bucket, at)
+    const token = randomUUID()
+    const created: Pending = {
+      bucket,
+      key: compactKey(request.key),
+      fingerprint: request.fingerprint,
+      token,
+      leaseUntil: at + request.leaseMs,
+      expiresAt: at + request.ttlMs,
+      bytes: 0,
+      steps: null,
+      indeterminate: false,
+      createdAt: at
+    }
+    outliveLease(created)
+    buckets.added(bucket)
+    bucket.pending.set(created.key, created)
+    countPending(created, IN_PROGRESS_OVERHEAD + (request.scope.length + request.key.length) * 2)
+    return { outcome: 'acquired', lease: { scope: request.scope, key: request.key, token }, takeover: false }
+  }
+
+  /** A claim of a live record in progress: taken over when its lease lapsed and the request is the same, else reported. */
+  function claimInProgress (entry: Pending, request: ClaimRequest, at: number): ClaimResult {
+    if (entry.leaseUntil <= at && !entry.indeterminate && fingerprintsEqual(entry.fingerprint, request.fingerprint)) {
       entry.token = randomUUID()
       entry.leaseUntil = at + request.leaseMs
       // The record lives at least a ttl from now, as a newly created one would.
@@ -335,37 +420,28 @@ export function memoryStore (options: MemoryStoreOptions = {}): MemoryStore {
       outliveLease(entry)
       return { outcome: 'acquired', lease: { scope: request.scope, key: request.key, token: entry.token }, takeover: true }
     }
-    if (entry.state === 'completed') {
-      return { outcome: 'completed', fingerprint: fingerprintOf(entry), response: responseOf(entry), expiresInMs: entry.expiresAt - at }
-    }
-    return { outcome: 'in_progress', fingerprint: fingerprintOf(entry), leaseRemainingMs: Math.max(0, entry.leaseUntil - at) }
+    return { outcome: 'in_progress', fingerprint: entry.fingerprint, leaseRemainingMs: Math.max(0, entry.leaseUntil - at) }
   }
 
   function complete (lease: Lease, response: StoredResponse, ttlMs: number): boolean {
     const at = now()
     const entry = owned(lease, at)
     if (entry === undefined) return false
-    const digest = (entry.fingerprint as Fingerprint).digest
-    entry.offset = slabs.pack(digest, response.body, ttlMs)
-    entry.slab = slabs.last
-    entry.length = digest.length + (response.body?.length ?? 0)
-    entry.digestLength = digest.length
-    entry.retained = response.body !== null
-    entry.statusCode = response.statusCode
-    entry.headers = headerSets.intern(response.headers)
-    entry.fingerprint = null
-    entry.token = ''
-    dropSteps(entry)
-    entry.state = 'completed'
-    entry.expiresAt = at + ttlMs
-    count(entry, entry.length + entry.headers.bytes + (slabs.own ? OWN_BUFFER_OVERHEAD : 0))
+    const bucket = entry.bucket
+    const headers = headerSets.intern(response.headers)
+    const algorithm = algorithms.intern(entry.fingerprint.algorithm)
+    const id = table.insert(bucket.id, entry.key, entry.fingerprint.digest, response, headers.id, algorithm,
+      entry.indeterminate, entry.createdAt, at + ttlMs, ttlMs)
+    // From the bucket's map to the table: the scope holds as many records as before. Its steps go.
+    bucket.pending.delete(entry.key)
+    count(bucket, completedBytes(id) - entry.bytes)
     return true
   }
 
   function release (lease: Lease): boolean {
     const entry = owned(lease, now())
     if (entry === undefined) return false
-    drop(entry)
+    dropPending(entry)
     return true
   }
 
@@ -393,8 +469,8 @@ export function memoryStore (options: MemoryStoreOptions = {}): MemoryStore {
 
     async get (id: RecordId): Promise<StoredRecord | null> {
       const at = now()
-      const entry = live(id.scope, id.key, at)
-      return entry === undefined ? null : recordOf(entry, at)
+      const found = recordAt(id.scope, id.key, at)
+      return found === undefined ? null : recordOf(found, at)
     },
 
     async purgeExpired (limit = Infinity): Promise<number> {
@@ -411,7 +487,7 @@ export function memoryStore (options: MemoryStoreOptions = {}): MemoryStore {
       if (entry === undefined || entry.steps?.has(name) === true) return false
       entry.steps ??= new Map()
       entry.steps.set(name, resultJson)
-      count(entry, (name.length + resultJson.length) * 2)
+      countPending(entry, (name.length + resultJson.length) * 2)
       return true
     },
 
@@ -429,24 +505,24 @@ export function memoryStore (options: MemoryStoreOptions = {}): MemoryStore {
 
     async inspect (id: RecordId): Promise<InspectedRecord | null> {
       const at = now()
-      const entry = live(id.scope, id.key, at)
-      return entry === undefined ? null : inspected(id, entry, at)
+      const found = recordAt(id.scope, id.key, at)
+      return found === undefined ? null : inspected(id, found, at)
     },
 
     async listHeld (limit?: number): Promise<InspectedRecord[]> {
       const most = integerOption('memoryStore.listHeld(limit)', limit, 100, 1, 100_000)
       const at = now()
       const held: InspectedRecord[] = []
-      for (const entry of entries) {
-        if (entry.state === 'in_progress' && entry.indeterminate) held.push(inspected({ scope: entry.bucket.scope, key: entry.key }, entry, at))
+      for (const entry of buckets.pending()) {
+        if (entry.indeterminate) held.push(inspectedPending({ scope: entry.bucket.scope, key: entry.key }, entry, at))
       }
       return held.sort((a, b) => a.createdAt.getTime() - b.createdAt.getTime()).slice(0, most)
     },
 
     async forceRelease (id: RecordId): Promise<boolean> {
-      const entry = live(id.scope, id.key, now())
-      if (entry === undefined || entry.state !== 'in_progress') return false
-      drop(entry)
+      const entry = pendingAt(id.scope, id.key, now())
+      if (entry === undefined) return false
+      dropPending(entry)
       return true
     },
 
@@ -456,15 +532,16 @@ export function memoryStore (options: MemoryStoreOptions = {}): MemoryStore {
       startReconcilerWith(reconcileSource, options, 'memoryStore.startReconciler'),
 
     usage (): MemoryStoreUsage {
-      return { records: entries.size, bytes, scopes: entries.scopes }
+      return { records: buckets.records, bytes, scopes: buckets.scopes }
     },
 
     async close (): Promise<void> {
       closed = true
       if (timer !== null) clearInterval(timer)
-      entries.clear()
+      buckets.clear()
+      table.clear()
       headerSets.clear()
-      slabs.clear()
+      algorithms.clear()
       bytes = 0
     }
   }
@@ -475,40 +552,27 @@ export function memoryStore (options: MemoryStoreOptions = {}): MemoryStore {
 }
 
 /** The store contract's rule (lib/store.ts): an in-progress record never expires while its lease is live. */
-function outliveLease (entry: Entry): void {
+function outliveLease (entry: Pending): void {
   if (entry.expiresAt < entry.leaseUntil) entry.expiresAt = entry.leaseUntil
 }
 
-function stepsOf (entry: Entry): StepResults {
+function stepsOf (entry: Pending): StepResults {
   const steps: Record<string, unknown> = {}
   if (entry.steps !== null) for (const [name, json] of entry.steps) steps[name] = JSON.parse(json)
   return steps
 }
 
-function inspected (id: RecordId, entry: Entry, at: number): InspectedRecord {
+function inspectedPending (id: RecordId, entry: Pending, at: number): InspectedRecord {
   return {
     scope: id.scope,
     key: id.key,
-    state: entry.state,
-    fingerprint: fingerprintOf(entry),
+    state: 'in_progress',
+    fingerprint: entry.fingerprint,
     indeterminate: entry.indeterminate,
     steps: stepsOf(entry),
     createdAt: new Date(entry.createdAt),
-    leaseRemainingMs: entry.state === 'in_progress' ? Math.max(0, entry.leaseUntil - at) : 0,
+    leaseRemainingMs: Math.max(0, entry.leaseUntil - at),
     expiresInMs: entry.expiresAt - at,
-    response: entry.state === 'completed' ? responseOf(entry) : null
-  }
-}
-
-function fingerprintOf (entry: Entry): Fingerprint {
-  return entry.fingerprint ?? { algorithm: entry.algorithm, digest: (entry.slab as Buffer).subarray(entry.offset, entry.offset + entry.digestLength) }
-}
-
-function responseOf (entry: Entry): StoredResponse {
-  return {
-    statusCode: entry.statusCode,
-    // Frozen deep down (memory-packing.ts): what a caller is handed cannot change the record.
-    headers: (entry.headers?.value ?? NO_HEADERS) as StoredResponse['headers'],
-    body: entry.retained ? (entry.slab as Buffer).subarray(entry.offset + entry.digestLength, entry.offset + entry.length) : null
+    response: null
   }
 }
