@@ -440,7 +440,7 @@ try {
   log(`wrote ${path.relative(process.cwd(), OUT)} in ${Math.round((Date.now() - startedAt.getTime()) / 1000)} s`)
   const failed = measurements.filter((m) => m.problems.length > 0 && !(m.setup.startsWith('peer-') && m.scenario !== 'fresh'))
   if (failed.length > 0) {
-    log(`${failed.length} measurement(s) had problems`)
+    log(`${failed.length} measurement(s) had problems:\n${failed.map((m) => `  round ${m.round} ${m.scenario} ${m.setup}: ${m.problems.join('; ')}`).join('\n')}`)
     process.exitCode = 1
   }
 } finally {

@@ -14,8 +14,9 @@
  * milliseconds, and what reached PostgreSQL and Redis per request (benchmarks/counting.ts). Prints a
  * table per scenario, the ratios crosscheck.ts reproduces (benchmarks/ratios.ts) and issue 14's
  * targets, met or missed (benchmarks/targets.ts); writes benchmarks/results/postgres.json and
- * benchmarks/results/chart.svg (postgres.quick.json and chart.quick.svg with --quick, so a
- * development run never overwrites the published figures).
+ * docs/benchmarks-chart.svg (the chart ships with the docs that show it, so the README's image
+ * resolves on npm as on GitHub; postgres.quick.json and chart.quick.svg beside it with --quick or
+ * next to --out, so a development run never overwrites the published figures).
  *
  * --quick: 1 round of short loads (sized by the warm-up's rate, at least 3 requests per connection:
  * quickAmount), and each server serves every scenario of its setup and body size in turn (tables
@@ -61,7 +62,9 @@ const { values: args } = parseArgs({
 })
 const QUICK = args.quick === true
 const OUT = args.out ?? path.join(ROOT, 'benchmarks', 'results', QUICK ? 'postgres.quick.json' : 'postgres.json')
-const CHART = path.join(path.dirname(OUT), QUICK ? 'chart.quick.svg' : 'chart.svg')
+const CHART = QUICK || args.out !== undefined
+  ? path.join(path.dirname(OUT), QUICK ? 'chart.quick.svg' : 'chart.svg')
+  : path.join(ROOT, 'docs', 'benchmarks-chart.svg')
 function roundsArg (value: string | undefined): number {
   const rounds = Number(value ?? 5)
   if (!Number.isInteger(rounds) || rounds < 1) throw new Error(`--rounds must be a whole number >= 1, received ${value}`)

@@ -142,11 +142,20 @@ t.test('npm run bench:crosscheck -- --quick reproduces the ratios and compares t
   const out = join(dir, 'crosscheck.json')
   const against = existsSync(benchOut) ? ['--against', benchOut] : []
   const { code, output } = await run('benchmarks/crosscheck.ts', ['--out', out, ...against])
-  t.equal(code, 0, output.slice(-3000))
+  if (!existsSync(out)) return t.fail(`no result written (exit ${code ?? 'null'})`, { output: output.slice(-3000) })
   const result = JSON.parse(readFileSync(out, 'utf8')) as {
     ratios: Array<{ name: string, ratio: number | null, cpuRatio: number | null }>
     comparison: Array<{ name: string, crosscheck: number | null, runTs: number | null, flagged: boolean, cpuCrosscheck: number | null, cpuRunTs: number | null }>
+    measurements: Array<{ round: number, scenario: string, setup: string, problems: string[] }>
   }
+  // Each measurement's problems by name (socket errors, error statuses, executions that do not
+  // match the keys sent), so a failure says which load went wrong; the peer's replay and storm
+  // problems are its adapter's and only reported (crosscheck.ts).
+  const problems = result.measurements
+    .filter((m) => m.problems.length > 0 && !(m.setup.startsWith('peer-') && m.scenario !== 'fresh'))
+    .map((m) => `round ${m.round} ${m.scenario} ${m.setup}: ${m.problems.join('; ')}`)
+  t.same(problems, [], 'no measurement had a problem')
+  t.equal(code, 0, 'exit 0', { output: output.slice(-3000) })
   t.equal(result.ratios.length, 16)
   t.ok(result.ratios.every((r) => typeof r.ratio === 'number'), 'every ratio measured')
   t.ok(result.ratios.every((r) => typeof r.cpuRatio === 'number' && r.cpuRatio > 0), 'every ratio measured per CPU of the measured side too')

@@ -508,11 +508,6 @@ for (const client of PG_CLIENTS) {
         (first.boundariesMissing.length > 0 || first.faultsMissing.length > 0)) {
       t.comment(`seed ${seed} proved too little (${[...first.boundariesMissing, ...first.faultsMissing].join(', ')}), with no violation and no death; running seed ${seed + 1}`)
       run = await runChaos(['--quick', `--client=${client}`, `--seed=${seed + 1}`], 100_000)
-    } else if (run.code === 2 && run.report === null && /EADDRINUSE/.test(run.output)) {
-      // The harness lost a race for a free port to another process of the suite before anything
-      // ran: no run at all, so it gets one more (a harness failure of any other kind does not).
-      t.comment(`seed ${seed}: an instance could not listen (EADDRINUSE) before the run started; running seed ${seed + 1}`)
-      run = await runChaos(['--quick', `--client=${client}`, `--seed=${seed + 1}`], 100_000)
     }
     const { code, output, report } = run
     t.equal(code, 0, 'the run passed', { output })

@@ -21,10 +21,11 @@
  * start and end. A planted bug (plants.ts, CHAOS_PLANT) sits between the plugin and that log.
  *
  * Run as `node --import tsx --import ./test/chaos/clock-skew.ts test/chaos/app.ts` with an IPC
- * channel; configured by CHAOS_* variables (see settingsFromEnv). Sends `{ type: 'ready' }` once
+ * channel; configured by CHAOS_* variables (see settingsFromEnv). Sends `{ type: 'ready', port }` once
  * listening; `{ type: 'shutdown' }` closes it gracefully; it exits when the channel closes.
  */
 import { randomUUID } from 'node:crypto'
+import type { AddressInfo } from 'node:net'
 import { Readable } from 'node:stream'
 import Fastify, { type FastifyReply, type FastifyRequest } from 'fastify'
 import { Cluster, Redis } from 'ioredis'
@@ -41,7 +42,6 @@ import { SCENARIO_ROUTES, streamedParts, type ScenarioParameters } from './scena
 
 interface Settings {
   readonly instance: number
-  readonly port: number
   readonly databaseUrl: string
   /** The client the store runs on (database.ts). */
   readonly client: PgClient
@@ -72,7 +72,6 @@ function settingsFromEnv (env: NodeJS.ProcessEnv): Settings {
   if (plant !== null && !PLANTS.includes(plant)) throw new Error(`chaos app: unknown plant ${plant}`)
   return {
     instance: Number(need('CHAOS_INSTANCE')),
-    port: Number(need('CHAOS_PORT')),
     databaseUrl: need('CHAOS_DATABASE_URL'),
     client: pgClientFromEnv(env.CHAOS_PG_CLIENT),
     redis: need('CHAOS_REDIS'),
@@ -369,5 +368,6 @@ process.on('message', (message: unknown) => {
 })
 process.on('disconnect', () => process.exit(0))
 
-await app.listen({ host: '127.0.0.1', port: settings.port })
-process.send?.({ type: 'ready', instance: settings.instance, pid: process.pid })
+// Port 0: the kernel's pick, reported in `ready` (instances.ts points the instance's proxy at it).
+await app.listen({ host: '127.0.0.1', port: 0 })
+process.send?.({ type: 'ready', instance: settings.instance, pid: process.pid, port: (app.server.address() as AddressInfo).port })

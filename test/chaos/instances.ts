@@ -1,5 +1,4 @@
 import type { ChildProcess } from 'node:child_process'
-import { createServer, type AddressInfo } from 'node:net'
 import path from 'node:path'
 import { startFaultProxy, type FaultProxy } from '../helpers/fault-proxy.js'
 import { crashOf } from './crashes.js'
@@ -35,10 +34,12 @@ export interface InstanceEnvironment {
 }
 
 /**
- * One app instance: a child process on a fixed loopback port (so it comes back on the same address
- * after a kill) behind its own fault proxy, which is what clients connect to (the load balancer's
- * view of it: dropped replies and resets happen there), and with a proxy of its own in front of the
- * database proxy, which partitions this instance alone.
+ * One app instance: a child process behind its own fault proxy, which is what clients connect to
+ * (the load balancer's view of it, the one address that stays while the process is killed and
+ * started again; dropped replies and resets happen there), and with a proxy of its own in front of
+ * the database proxy, which partitions this instance alone. Each process listens on a port the
+ * kernel picks and reports it when ready, and the proxy follows it: a port chosen beforehand could
+ * be taken by another process of the machine in between (EADDRINUSE, seen when runs overlap).
  */
 export class AppInstance {
   child: ChildProcess | null = null
@@ -56,7 +57,8 @@ export class AppInstance {
 
   private constructor (
     readonly index: number,
-    readonly port: number,
+    /** Where the proxy connects: the running process's own port (0 before the first start). */
+    private readonly upstream: { readonly host: string, port: number },
     readonly proxy: FaultProxy,
     /** Between this instance and the shared database proxy. */
     readonly dbProxy: FaultProxy,
@@ -67,11 +69,15 @@ export class AppInstance {
   }
 
   static async create (index: number, environment: InstanceEnvironment, redis: string, random: Random): Promise<AppInstance> {
-    const port = await freePort()
-    const proxy = await startFaultProxy({ host: '127.0.0.1', port }, {}, { random })
+    // startFaultProxy reads the target at each connection, so moving its port moves the proxy.
+    const upstream = { host: '127.0.0.1', port: 0 }
+    const proxy = await startFaultProxy(upstream, {}, { random })
     const dbProxy = await startFaultProxy(environment.databaseProxy, {}, { random: random.fork('db') })
-    return new AppInstance(index, port, proxy, dbProxy, environment, redis)
+    return new AppInstance(index, upstream, proxy, dbProxy, environment, redis)
   }
+
+  /** The running process's own port (bypassing the proxy, for the harness's probes). */
+  get port (): number { return this.upstream.port }
 
   get running (): boolean {
     return this.child !== null && this.child.exitCode === null && this.child.signalCode === null
@@ -92,7 +98,6 @@ export class AppInstance {
     url.port = String(this.dbProxy.port)
     const started = await startChild('test/chaos/app.ts', {
       CHAOS_INSTANCE: String(this.index),
-      CHAOS_PORT: String(this.port),
       CHAOS_DATABASE_URL: url.href,
       CHAOS_PG_CLIENT: env.client,
       CHAOS_EVIDENCE: path.join(env.logDir, `evidence-${this.index}.jsonl`),
@@ -108,6 +113,12 @@ export class AppInstance {
       CHAOS_LOG_LEVEL: process.env.CHAOS_LOG_LEVEL ?? 'warn'
     }, path.join(env.logDir, `app-${this.index}.log`), ['test/chaos/clock-skew.ts'])
     const child = started.child
+    const port = Number(started.ready.port)
+    if (!Number.isInteger(port) || port <= 0) {
+      await killChild(child)
+      throw new Error(`chaos: app instance ${this.index} reported no port when ready (${JSON.stringify(started.ready)})`)
+    }
+    this.upstream.port = port
     this.child = child
     this.starts++
     const incarnation: Incarnation = { instance: this.index, pid: Number(started.ready.pid ?? child.pid), startedAt: env.now(), endedAt: null, end: null }
@@ -153,15 +164,4 @@ export class AppInstance {
       return false
     }
   }
-}
-
-export function freePort (): Promise<number> {
-  return new Promise((resolve, reject) => {
-    const server = createServer()
-    server.once('error', reject)
-    server.listen(0, '127.0.0.1', () => {
-      const { port } = server.address() as AddressInfo
-      server.close(() => resolve(port))
-    })
-  })
 }
