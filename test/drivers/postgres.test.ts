@@ -12,6 +12,7 @@ import idempotency, { InvalidOptionError, type IdempotencyOptions } from '../../
 import type { ClaimResult, Fingerprint, IdempotencyStore, StoredResponse } from '../../lib/store.js'
 import { migrate, postgresStore, type PostgresClient, type PostgresStore, type PostgresStoreOptions } from '../../drivers/postgres/index.js'
 import { runConformance } from '../../conformance/index.js'
+import { deferred } from '../helpers/app.js'
 import { spawnFixture, type ChildApp } from '../helpers/child-app.js'
 import { lockWaitProbe } from '../helpers/lock-waits.js'
 import { CLIENT_NAME, clientUnderTest, endPools, poolLike, storeConnection } from '../helpers/postgres-clients.js'
@@ -326,12 +327,13 @@ function suite (url: string): void {
     // instead of hanging): a fixed sleep let a claim that queued for a pool connection on a loaded
     // machine arrive after completion and get a replay, which is right but not what this checks.
     let refusals = 0
-    let othersAnswered = (): void => {}
-    const allRefused = new Promise<void>((resolve) => { othersAnswered = resolve })
-    const refused = await app(t, store, {}, () => Promise.race([allRefused, sleep(10_000)]))
+    const allRefused = deferred()
+    const bound = setTimeout(allRefused.resolve, 10_000)
+    t.teardown(() => clearTimeout(bound))
+    const refused = await app(t, store, {}, () => allRefused.promise)
     const key = `k-${randomUUID()}`
     const results = await Promise.all(Array.from({ length: 50 }, () => pay(refused.app, key).then((r) => {
-      if (r.statusCode === 409 && ++refusals === 49) othersAnswered()
+      if (r.statusCode === 409 && ++refusals === 49) allRefused.resolve()
       return r
     })))
     t.equal(refused.executions(), 1, 'the handler ran once')
