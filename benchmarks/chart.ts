@@ -14,6 +14,7 @@ const COLOURS: Record<Setup, string> = {
   'pg-lease': '#2ca02c',
   'pg-atomic': '#98df8a',
   'pg-redis': '#d62728',
+  'pg-redis-unpipelined': '#f4a582',
   'peer-redis': '#ff9896',
   'floor-sql': '#7f7f7f',
   'floor-select': '#bcbd22',

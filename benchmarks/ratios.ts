@@ -16,15 +16,18 @@ export const RATIOS: readonly RatioPair[] = [
   { scenario: 'fresh', setup: 'pg-lease', to: 'floor-sql' },
   { scenario: 'fresh', setup: 'pg-atomic', to: 'floor-txn' },
   { scenario: 'fresh', setup: 'pg-redis', to: 'pg-lease' },
+  { scenario: 'fresh', setup: 'pg-redis', to: 'pg-redis-unpipelined' },
   { scenario: 'replay', setup: 'memory', to: 'bare' },
   { scenario: 'replay', setup: 'peer-memory', to: 'bare' },
   { scenario: 'replay', setup: 'memory', to: 'peer-memory' },
   { scenario: 'replay', setup: 'pg-lease', to: 'floor-select' },
   { scenario: 'replay', setup: 'pg-redis', to: 'pg-lease' },
   { scenario: 'replay', setup: 'pg-redis', to: 'bare' },
+  { scenario: 'replay', setup: 'pg-redis', to: 'pg-redis-unpipelined' },
   { scenario: 'storm', setup: 'pg-lease', to: 'bare' },
   { scenario: 'storm', setup: 'pg-redis', to: 'pg-lease' },
   { scenario: 'storm', setup: 'pg-redis', to: 'bare' },
+  { scenario: 'storm', setup: 'pg-redis', to: 'pg-redis-unpipelined' },
   { scenario: 'storm', setup: 'peer-redis', to: 'bare' }
 ]
 

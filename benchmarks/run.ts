@@ -96,7 +96,7 @@ const CONFIG = {
 /** Quick mode's least measured load (quickAmount). */
 const QUICK_MIN_REQUESTS_PER_CONNECTION = 3
 /** The setups with a database or Redis, whose traffic is counted and probed. */
-const COUNTED: ReadonlySet<Setup> = new Set(['pg-lease', 'pg-atomic', 'pg-redis', 'peer-redis', 'floor-sql', 'floor-select', 'floor-txn'])
+const COUNTED: ReadonlySet<Setup> = new Set(['pg-lease', 'pg-atomic', 'pg-redis', 'pg-redis-unpipelined', 'peer-redis', 'floor-sql', 'floor-select', 'floor-txn'])
 /** The duplicate storm: many connections on few keys, each key hammered concurrently (issue 5). */
 const STORM = { connections: 200, keys: 20 } as const
 const KiB = 1024
@@ -237,15 +237,15 @@ function replay ({ name, payload, connections, timing, setups, floors = {} }: Sh
 const MAIN = { connections: CONFIG.connections, timing: CONFIG.main, payload: 200 }
 const SCALE = { connections: CONFIG.connections, timing: CONFIG.scale, payload: 200, setups: SCALE_SETUPS }
 const ALL_SCENARIOS: readonly Scenario[] = [
-  fresh({ ...MAIN, name: 'fresh', setups: ['bare', 'memory', 'peer-memory', 'pg-lease', 'pg-atomic', 'pg-redis', 'peer-redis', 'floor-sql', 'floor-txn'], floors: { 'pg-lease': 'floor-sql', 'pg-redis': 'floor-sql', 'pg-atomic': 'floor-txn' } }),
-  replay({ ...MAIN, name: 'replay', setups: ['bare', 'memory', 'peer-memory', 'pg-lease', 'pg-atomic', 'pg-redis', 'peer-redis', 'floor-select'], floors: { 'pg-lease': 'floor-select', 'pg-redis': 'floor-select', 'pg-atomic': 'floor-select' } }),
+  fresh({ ...MAIN, name: 'fresh', setups: ['bare', 'memory', 'peer-memory', 'pg-lease', 'pg-atomic', 'pg-redis', 'pg-redis-unpipelined', 'peer-redis', 'floor-sql', 'floor-txn'], floors: { 'pg-lease': 'floor-sql', 'pg-redis': 'floor-sql', 'pg-atomic': 'floor-txn' } }),
+  replay({ ...MAIN, name: 'replay', setups: ['bare', 'memory', 'peer-memory', 'pg-lease', 'pg-atomic', 'pg-redis', 'pg-redis-unpipelined', 'peer-redis', 'floor-select'], floors: { 'pg-lease': 'floor-select', 'pg-redis': 'floor-select', 'pg-atomic': 'floor-select' } }),
   {
     name: 'storm',
     description: `${STORM.connections} connections hammering ${STORM.keys} keys (duplicates: 409 while in flight, then replays); ${describePayload(200)}`,
     payload: 200,
     connections: STORM.connections,
     timing: CONFIG.main,
-    setups: ['bare', 'pg-lease', 'pg-redis', 'peer-redis'],
+    setups: ['bare', 'pg-lease', 'pg-redis', 'pg-redis-unpipelined', 'peer-redis'],
     floors: {},
     allowedNon2xx: [409],
     requests (tag) {

@@ -102,6 +102,21 @@ function env (name: string): string {
   return value
 }
 
+/** pg-lease behind the Redis pre-filter, its commands pipelined per event-loop turn or not. */
+async function prefiltered (pipeline: boolean): Promise<void> {
+  const { default: idempotency } = await plugin()
+  const { postgresStore } = await import('../drivers/postgres/index.js')
+  const { redisPrefilter } = await import('../drivers/redis/index.js')
+  const { Redis } = await import('ioredis')
+  const store = postgresStore({ sql: await database(), schema: env('BENCH_SCHEMA'), table: 'records' })
+  const redis = new Redis(env('REDIS_URL'), { enableOfflineQueue: true })
+  countRedis(redis, redisCounts = emptyCounts())
+  closers.unshift(() => store.close())
+  closers.push(async () => { redis.disconnect() })
+  await app.register(idempotency, { store, prefilter: redisPrefilter({ client: redis, prefix: `bench-${randomUUID()}`, pipeline }), scope: () => SCOPE })
+  route(pay)
+}
+
 /** The pool every Postgres setup uses (same size, same client), its wire counted. */
 async function database (): Promise<postgres.Sql> {
   const { default: postgres } = await import('postgres')
@@ -160,19 +175,10 @@ const SETUPS: Record<string, () => Promise<void>> = {
   },
 
   // pg-lease with the Redis pre-filter in front: duplicates answered from Redis never reach Postgres.
-  async 'pg-redis' () {
-    const { default: idempotency } = await plugin()
-    const { postgresStore } = await import('../drivers/postgres/index.js')
-    const { redisPrefilter } = await import('../drivers/redis/index.js')
-    const { Redis } = await import('ioredis')
-    const store = postgresStore({ sql: await database(), schema: env('BENCH_SCHEMA'), table: 'records' })
-    const redis = new Redis(env('REDIS_URL'), { enableOfflineQueue: true })
-    countRedis(redis, redisCounts = emptyCounts())
-    closers.unshift(() => store.close())
-    closers.push(async () => { redis.disconnect() })
-    await app.register(idempotency, { store, prefilter: redisPrefilter({ client: redis, prefix: `bench-${randomUUID()}` }), scope: () => SCOPE })
-    route(pay)
-  },
+  'pg-redis': async () => { await prefiltered(true) },
+
+  // The same with the pre-filter's `pipeline: false`: each Redis command in a write of its own.
+  'pg-redis-unpipelined': async () => { await prefiltered(false) },
 
   // The peer, @node-idempotency/core 1.0.11, through our glue: its memory adapter.
   async 'peer-memory' () {

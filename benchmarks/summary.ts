@@ -5,7 +5,7 @@
 import { perCpuRatio } from './measured-cpu.js'
 import { median, slicedRatio, type SliceFigures } from './ratios.js'
 
-export const SETUPS = ['bare', 'memory', 'peer-memory', 'pg-lease', 'pg-atomic', 'pg-redis', 'peer-redis', 'floor-sql', 'floor-select', 'floor-txn'] as const
+export const SETUPS = ['bare', 'memory', 'peer-memory', 'pg-lease', 'pg-atomic', 'pg-redis', 'pg-redis-unpipelined', 'peer-redis', 'floor-sql', 'floor-select', 'floor-txn'] as const
 export type Setup = typeof SETUPS[number]
 
 /** Per request: PostgreSQL statements or Redis commands, and round trips (benchmarks/counting.ts). */

@@ -21,3 +21,10 @@ export function callbackOption<T> (name: string, value: T | undefined): T | null
   if (typeof value !== 'function') throw new InvalidOptionError(name, 'a function', value)
   return value
 }
+
+/** An optional boolean option (`fallback` when absent), or an InvalidOptionError naming it and the value. */
+export function booleanOption (name: string, value: unknown, fallback: boolean): boolean {
+  if (value === undefined) return fallback
+  if (typeof value !== 'boolean') throw new InvalidOptionError(name, 'true or false', value)
+  return value
+}

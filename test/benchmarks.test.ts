@@ -29,7 +29,7 @@ function run (script: string, extra: string[], env: NodeJS.ProcessEnv = process.
 }
 
 const SCENARIOS = ['fresh', 'fresh-1m', 'fresh-64k', 'fresh-c1', 'fresh-c100', 'replay', 'replay-1m', 'replay-64k', 'replay-c1', 'replay-c100', 'storm']
-const POSTGRES = new Set(['pg-lease', 'pg-atomic', 'pg-redis', 'floor-sql', 'floor-select', 'floor-txn'])
+const POSTGRES = new Set(['pg-lease', 'pg-atomic', 'pg-redis', 'pg-redis-unpipelined', 'floor-sql', 'floor-select', 'floor-txn'])
 
 interface Row {
   setup: string
@@ -68,7 +68,7 @@ t.test('npm run bench -- --quick writes a well-formed result, its targets and a 
       t.type(row.p99Us, 'number', `${what}: p99`)
       if (POSTGRES.has(row.setup)) t.type(row.pgStatements, 'number', `${what}: statements counted`)
       if (POSTGRES.has(row.setup) && name !== 'storm') t.type(row.probePgRoundTrips, 'number', `${what}: round trips probed`)
-      if (row.setup === 'pg-redis' || row.setup === 'peer-redis') t.type(row.redisCommands, 'number', `${what}: Redis commands counted`)
+      if (row.setup === 'pg-redis' || row.setup === 'pg-redis-unpipelined' || row.setup === 'peer-redis') t.type(row.redisCommands, 'number', `${what}: Redis commands counted`)
     }
   }
   // The floors run a known number of statements: the counting itself is checked.
@@ -78,7 +78,7 @@ t.test('npm run bench -- --quick writes a well-formed result, its targets and a 
   t.equal(floor('fresh', 'floor-txn')?.probePgRoundTrips, 5, 'floor-txn: 5 round trips per fresh key')
   t.equal(floor('replay', 'floor-select')?.probePgStatements, 1, 'floor-select: 1 statement per replay')
   t.type(floor('fresh', 'pg-atomic')?.ratioTo['floor-txn'], 'number', 'pg-atomic has its ratio to floor-txn')
-  t.equal(result.ratios.length, 16, 'the ratios the crosscheck reproduces')
+  t.equal(result.ratios.length, 19, 'the ratios the crosscheck reproduces')
   t.ok(result.ratios.every((r) => typeof r.ratio === 'number'), 'every ratio measured')
   t.ok(result.ratios.every((r) => typeof r.cpuRatio === 'number' && r.cpuRatio > 0), 'every ratio measured per CPU of the measured side too')
   t.equal(result.targets.length, 18, 'every target of issue 14')
@@ -155,10 +155,10 @@ t.test('npm run bench:crosscheck -- --quick reproduces the ratios and compares t
     .map((m) => `round ${m.round} ${m.scenario} ${m.setup}: ${m.problems.join('; ')}`)
   t.same(problems, [], 'no measurement had a problem')
   t.equal(code, 0, 'exit 0', { output: output.slice(-3000) })
-  t.equal(result.ratios.length, 16)
+  t.equal(result.ratios.length, 19)
   t.ok(result.ratios.every((r) => typeof r.ratio === 'number'), 'every ratio measured')
   t.ok(result.ratios.every((r) => typeof r.cpuRatio === 'number' && r.cpuRatio > 0), 'every ratio measured per CPU of the measured side too')
-  t.equal(result.comparison.length, 16)
+  t.equal(result.comparison.length, 19)
   if (against.length > 0) {
     t.ok(result.comparison.every((c) => typeof c.runTs === 'number'), 'compared with the run.ts result of the first test')
     t.ok(result.comparison.every((c) => typeof c.cpuRunTs === 'number'), 'per CPU too')

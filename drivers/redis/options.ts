@@ -1,6 +1,6 @@
 import type { Cluster, Redis } from 'ioredis'
 import { InvalidOptionError } from '../../lib/errors.js'
-import { integerOption, MAX_TIMER_MS } from '../../lib/validate.js'
+import { booleanOption, integerOption, MAX_TIMER_MS } from '../../lib/validate.js'
 
 export interface RedisPrefilterOptions {
   /**
@@ -23,12 +23,21 @@ export interface RedisPrefilterOptions {
    * @defaultValue 50
    */
   timeout?: number
+  /**
+   * Send the operations that requests start in the same event-loop turn as one pipeline (one write
+   * to Redis) instead of one write per command. Each operation keeps its own atomic script, reply and
+   * error. Applies to a standalone client only: a Cluster client always gets each command on its own
+   * (see pipelining.ts). `false` is for comparing the two on your own infrastructure.
+   * @defaultValue true
+   */
+  pipeline?: boolean
 }
 
 export interface ResolvedPrefilterOptions {
   readonly client: Redis | Cluster
   readonly prefix: string
   readonly timeout: number
+  readonly pipeline: boolean
 }
 
 const MAX_PREFIX_LENGTH = 256
@@ -40,7 +49,8 @@ export function resolvePrefilterOptions (options: RedisPrefilterOptions): Resolv
   return Object.freeze({
     client: resolveClient(options.client),
     prefix: resolvePrefix(options.prefix),
-    timeout: integerOption('redisPrefilter option "timeout"', options.timeout, 50, 1, MAX_TIMER_MS, 'ms')
+    timeout: integerOption('redisPrefilter option "timeout"', options.timeout, 50, 1, MAX_TIMER_MS, 'ms'),
+    pipeline: booleanOption('redisPrefilter option "pipeline"', options.pipeline, true)
   })
 }
 

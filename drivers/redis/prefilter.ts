@@ -3,6 +3,7 @@ import type { Fingerprint, RecordId, StoredResponse } from '../../lib/store.js'
 import { PrefilterClosedError, PrefilterTimeoutError } from './errors.js'
 import { FIELD, recordKey } from './keys.js'
 import { resolvePrefilterOptions, type RedisPrefilterOptions } from './options.js'
+import { pipelining } from './pipelining.js'
 import { COMMAND, defineScripts } from './scripts.js'
 
 /**
@@ -25,8 +26,9 @@ export interface RedisPrefilter extends IdempotencyPrefilter {
 }
 
 export function redisPrefilter (options: RedisPrefilterOptions): RedisPrefilter {
-  const { client, prefix, timeout } = resolvePrefilterOptions(options)
-  const scripts = defineScripts(client)
+  const { client, prefix, timeout, pipeline } = resolvePrefilterOptions(options)
+  defineScripts(client)
+  const enqueue = pipelining(client, pipeline)
   /** Rejecters of operations still waiting, so close() can settle them and stop their timers. */
   const pending = new Set<(error: Error) => void>()
   let closed = false
@@ -87,7 +89,8 @@ export function redisPrefilter (options: RedisPrefilterOptions): RedisPrefilter 
   async function lookup (id: RecordId): Promise<PrefilterHit | null> {
     // One HGETALL is atomic: a half-written record can never be seen (scripts write in one go).
     // The Buffer variant keeps digests and bodies byte-identical.
-    return counted(parseHit(await bounded('lookup', () => client.hgetallBuffer(keyOf(id)))))
+    // ioredis turns HGETALL's reply into an object, on a client and in a pipeline alike.
+    return counted(parseHit(await bounded('lookup', () => enqueue<Record<string, Buffer>>((redis) => redis.hgetallBuffer(keyOf(id))))))
   }
 
   return {
@@ -97,15 +100,13 @@ export function redisPrefilter (options: RedisPrefilterOptions): RedisPrefilter 
       const ttl = ttlOf('lookupOrMark', ttlMs)
       // A lease too short to hold a marker: a plain lookup (holding no marker is the safe side).
       if (ttl === 0) return { hit: await lookup(id), marked: false }
-      const pairs = await bounded('lookupOrMark', () =>
-        scripts[COMMAND.lookupOrMarkBuffer](keyOf(id), fingerprint.algorithm, fingerprint.digest, ttl))
+      const pairs = await bounded('lookupOrMark', () => enqueue<Buffer[]>((redis) =>
+        redis[COMMAND.lookupOrMarkBuffer](keyOf(id), fingerprint.algorithm, fingerprint.digest, ttl)))
       if (pairs.length === 0) {
         stats.misses++
         return { hit: null, marked: true }
       }
-      const fields: Record<string, Buffer> = {}
-      for (let i = 0; i + 1 < pairs.length; i += 2) fields[(pairs[i] as Buffer).toString()] = pairs[i + 1] as Buffer
-      return { hit: counted(parseHit(fields)), marked: false }
+      return { hit: counted(parseHit(fieldsOf(pairs))), marked: false }
     },
 
     get stats (): PrefilterStats { return { ...stats } },
@@ -113,21 +114,21 @@ export function redisPrefilter (options: RedisPrefilterOptions): RedisPrefilter 
     async markInFlight (id, fingerprint, ttlMs) {
       const ttl = ttlOf('markInFlight', ttlMs)
       if (ttl === 0) return // nothing would outlive the lease: holding no marker is the safe side
-      await bounded('markInFlight', () =>
-        scripts[COMMAND.mark](keyOf(id), fingerprint.algorithm, fingerprint.digest, ttl))
+      await bounded('markInFlight', () => enqueue((redis) =>
+        redis[COMMAND.mark](keyOf(id), fingerprint.algorithm, fingerprint.digest, ttl)))
     },
 
     async clearInFlight (id) {
-      await bounded('clearInFlight', () => scripts[COMMAND.clear](keyOf(id)))
+      await bounded('clearInFlight', () => enqueue((redis) => redis[COMMAND.clear](keyOf(id))))
     },
 
     async remember (id, fingerprint, response, ttlMs) {
       const ttl = ttlOf('remember', ttlMs)
       if (ttl === 0) return // the store's record is about to expire: a copy must not outlive it
       const retained = response.body !== null
-      await bounded('remember', () => scripts[COMMAND.remember](
+      await bounded('remember', () => enqueue((redis) => redis[COMMAND.remember](
         keyOf(id), fingerprint.algorithm, fingerprint.digest, response.statusCode,
-        JSON.stringify(response.headers), retained ? '1' : '0', response.body ?? EMPTY, ttl))
+        JSON.stringify(response.headers), retained ? '1' : '0', response.body ?? EMPTY, ttl)))
     },
 
     async close () {
@@ -149,6 +150,13 @@ function ttlOf (operation: string, ttlMs: number): number {
     throw new TypeError(`fastify-idempotency: redis pre-filter ${operation}() needs a ttl in ms; received ${String(ttlMs)}`)
   }
   return Math.max(0, Math.floor(Math.min(ttlMs, Number.MAX_SAFE_INTEGER)))
+}
+
+/** A hash's reply (field, value, field, value, …) as an object. */
+function fieldsOf (pairs: Buffer[]): Record<string, Buffer> {
+  const fields: Record<string, Buffer> = {}
+  for (let i = 0; i + 1 < pairs.length; i += 2) fields[pairs[i]!.toString()] = pairs[i + 1]!
+  return fields
 }
 
 /**

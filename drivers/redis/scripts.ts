@@ -73,16 +73,18 @@ redis.call('PEXPIRE', KEYS[1], ARGV[7])
 return 1
 `
 
-type Reply = Promise<unknown>
-
-/** The user's client once the scripts are defined on it. */
-export interface ScriptedClient {
-  /** The Buffer variant ioredis defines beside every command: field names and values as Buffers. */
-  [COMMAND.lookupOrMarkBuffer]: (key: string, algorithm: string, digest: Buffer, ttlMs: number) => Promise<Buffer[]>
-  [COMMAND.mark]: (key: string, algorithm: string, digest: Buffer, ttlMs: number) => Reply
-  [COMMAND.clear]: (key: string) => Reply
+/**
+ * The commands the pre-filter sends, as ioredis defines them on a client and on its pipelines alike:
+ * a client's return a Promise of the reply (`R` = Promise), a pipeline's return the pipeline (the
+ * reply comes from exec). The Buffer variants reply with field names and values as Buffers.
+ */
+export interface ScriptedCommands<R> {
+  hgetallBuffer: (key: string) => R
+  [COMMAND.lookupOrMarkBuffer]: (key: string, algorithm: string, digest: Buffer, ttlMs: number) => R
+  [COMMAND.mark]: (key: string, algorithm: string, digest: Buffer, ttlMs: number) => R
+  [COMMAND.clear]: (key: string) => R
   [COMMAND.remember]: (key: string, algorithm: string, digest: Buffer, status: number, headers: string,
-    retained: '1' | '0', body: Buffer, ttlMs: number) => Reply
+    retained: '1' | '0', body: Buffer, ttlMs: number) => R
 }
 
 /**
@@ -91,10 +93,9 @@ export interface ScriptedClient {
  * rate-limit's Redis store pattern). ioredis runs them with EVALSHA and falls back to EVAL after a
  * NOSCRIPT (e.g. after SCRIPT FLUSH or on a fresh cluster node).
  */
-export function defineScripts (client: Redis | Cluster): ScriptedClient {
+export function defineScripts (client: Redis | Cluster): void {
   const commands = client as unknown as Record<string, unknown>
   for (const [name, lua] of [[COMMAND.lookupOrMark, LOOKUP_OR_MARK], [COMMAND.mark, MARK], [COMMAND.clear, CLEAR], [COMMAND.remember, REMEMBER]] as const) {
     if (typeof commands[name] !== 'function') client.defineCommand(name, { numberOfKeys: 1, lua })
   }
-  return client as unknown as ScriptedClient
 }

@@ -57,7 +57,7 @@ export class AppInstance {
 
   private constructor (
     readonly index: number,
-    /** Where the proxy connects: the running process's own port (0 before the first start). */
+    /** Where the proxy connects: the running process's own port (0 while no process runs). */
     private readonly upstream: { readonly host: string, port: number },
     readonly proxy: FaultProxy,
     /** Between this instance and the shared database proxy. */
@@ -128,6 +128,9 @@ export class AppInstance {
       incarnation.end = this.stopping ? (signal === 'SIGKILL' ? 'killed' : 'shutdown') : 'crashed'
       if (this.child !== child) return
       this.child = null
+      // Until the next start, the proxy refuses (nothing listens on port 0) instead of connecting to
+      // the dead process's port, which another process may have taken meanwhile.
+      this.upstream.port = 0
       if (!this.stopping) env.onCrash(this, crashOf(`app instance ${this.index}`, 0, code, signal, started.stderrTail()))
     })
   }

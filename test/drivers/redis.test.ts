@@ -232,6 +232,73 @@ function standaloneOnly (t: Test, client: Redis): void {
     t.equal((await pf.lookup({ scope: 's', key: 'k' }))?.state, 'in_progress')
   })
 
+  /** A client of its own, so that its socket carries one test's commands only, and its writes counted. */
+  async function countedClient (t: Test): Promise<{ client: Redis, writes: () => number }> {
+    const own = new Redis(REDIS_URL, { db: 1 })
+    t.teardown(() => own.disconnect())
+    await own.ping()
+    let writes = 0
+    const stream = (own as unknown as { stream: Socket }).stream
+    const write = stream.write
+    stream.write = function (this: Socket, ...args: unknown[]): boolean {
+      writes++
+      return (write as (...args: unknown[]) => boolean).apply(this, args)
+    } as typeof stream.write
+    return { client: own, writes: () => writes }
+  }
+
+  t.test('the operations of one event-loop turn share one pipeline: one write, each its own answer or error', async (t) => {
+    const { client: own, writes: written } = await countedClient(t)
+    let writes = 0
+    const counted = (): number => written() - writes
+    const prefix = newPrefix()
+    const pf = redisPrefilter({ client: own, prefix, timeout: 2000 })
+    const lookupOrMark = pf.lookupOrMark as NonNullable<IdempotencyPrefilter['lookupOrMark']>
+    const record = (i: number): RecordId => ({ scope: 's', key: `k${i}` })
+    const body = (i: number): Buffer => Buffer.from(`body ${i}`)
+
+    await Promise.all(Array.from({ length: 10 }, (_, i) => pf.remember(record(i), A, { ...RESPONSE, body: body(i) }, LONG)))
+    t.equal(counted(), 1, '10 copies written in one turn: one write')
+
+    // Not a hash: its script fails (WRONGTYPE), and only its caller sees that.
+    await client.set(recordKey(prefix, record(99)), 'not a hash')
+    writes = written()
+    const marking = [...Array.from({ length: 20 }, (_, i) => lookupOrMark(record(i), A, LONG)), lookupOrMark(record(99), A, LONG)]
+    const looking = pf.lookup(record(3))
+    const answers = await Promise.allSettled(marking)
+    const plain = await looking
+    t.equal(counted(), 1, '22 operations in one turn: one write')
+    for (let i = 0; i < 20; i++) {
+      const answer = answers[i]!
+      if (answer.status !== 'fulfilled') {
+        t.fail(`k${i}: rejected (${String(answer.reason)})`)
+        continue
+      }
+      if (i < 10) {
+        const hit = answer.value.hit
+        t.ok(hit?.state === 'completed' && hit.response.body?.equals(body(i)) === true && !answer.value.marked, `k${i}: its own copy`)
+      } else {
+        t.same(answer.value, { hit: null, marked: true }, `k${i}: a miss, marked`)
+      }
+    }
+    t.equal(answers[20]!.status, 'rejected', 'the failing command rejects')
+    t.match(answers[20]!.status === 'rejected' ? String(answers[20]!.reason) : '', /WRONGTYPE/)
+    t.ok(plain?.state === 'completed' && plain.response.body?.equals(body(3)), 'a plain lookup in the same pipeline: its own answer')
+    t.equal((await pf.lookup(record(15)))?.state, 'in_progress', 'the markers were written')
+    t.equal(pf.stats.failures, 1)
+  })
+
+  t.test('pipeline: false sends each operation on its own, with the same answers', async (t) => {
+    const { client: own, writes } = await countedClient(t)
+    const pf = redisPrefilter({ client: own, prefix: newPrefix(), timeout: 2000, pipeline: false })
+    const record = (i: number): RecordId => ({ scope: 's', key: `k${i}` })
+    await Promise.all(Array.from({ length: 5 }, (_, i) => pf.remember(record(i), A, RESPONSE, LONG)))
+    const before = writes()
+    const hits = await Promise.all(Array.from({ length: 10 }, (_, i) => pf.lookup(record(i))))
+    t.equal(writes() - before, 10, 'one write per operation')
+    t.same(hits.map((hit) => hit?.state ?? null), [...Array(5).fill('completed'), ...Array(5).fill(null)])
+  })
+
   t.test('a Redis slower than timeout: every operation rejects in about timeout ms', async (t) => {
     const proxy = await delayingProxy(client.options.port ?? 6379, client.options.host ?? '127.0.0.1')
     const slow = new Redis({ host: '127.0.0.1', port: proxy.port, maxRetriesPerRequest: 0, retryStrategy: () => null })
@@ -310,7 +377,7 @@ function clusterOnly (t: Test, cluster: Cluster): void {
 function optionTests (t: Test, client: Redis): void {
   const invalid: Array<[string, unknown]> = [
     ['client', {}], ['client', null], ['prefix', ''], ['prefix', 'a{b'], ['prefix', 'a}'], ['prefix', 3],
-    ['timeout', 0], ['timeout', 1.5], ['timeout', '50'], ['timeout', Infinity]
+    ['timeout', 0], ['timeout', 1.5], ['timeout', '50'], ['timeout', Infinity], ['pipeline', 'false'], ['pipeline', 1], ['pipeline', null]
   ]
   for (const [option, value] of invalid) {
     const options = { client, [option]: value } as unknown as Parameters<typeof redisPrefilter>[0]
