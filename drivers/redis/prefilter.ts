@@ -89,8 +89,7 @@ export function redisPrefilter (options: RedisPrefilterOptions): RedisPrefilter 
   async function lookup (id: RecordId): Promise<PrefilterHit | null> {
     // One HGETALL is atomic: a half-written record can never be seen (scripts write in one go).
     // The Buffer variant keeps digests and bodies byte-identical.
-    // ioredis turns HGETALL's reply into an object, on a client and in a pipeline alike.
-    return counted(parseHit(await bounded('lookup', () => enqueue<Record<string, Buffer>>((redis) => redis.hgetallBuffer(keyOf(id))))))
+    return counted(parseHit(await bounded('lookup', () => enqueue<Record<string, Buffer>>((redis, done) => redis.hgetallBuffer(keyOf(id), done)))))
   }
 
   return {
@@ -100,8 +99,8 @@ export function redisPrefilter (options: RedisPrefilterOptions): RedisPrefilter 
       const ttl = ttlOf('lookupOrMark', ttlMs)
       // A lease too short to hold a marker: a plain lookup (holding no marker is the safe side).
       if (ttl === 0) return { hit: await lookup(id), marked: false }
-      const pairs = await bounded('lookupOrMark', () => enqueue<Buffer[]>((redis) =>
-        redis[COMMAND.lookupOrMarkBuffer](keyOf(id), fingerprint.algorithm, fingerprint.digest, ttl)))
+      const pairs = await bounded('lookupOrMark', () => enqueue<Buffer[]>((redis, done) =>
+        redis[COMMAND.lookupOrMarkBuffer](keyOf(id), fingerprint.algorithm, fingerprint.digest, ttl, done)))
       if (pairs.length === 0) {
         stats.misses++
         return { hit: null, marked: true }
@@ -114,21 +113,21 @@ export function redisPrefilter (options: RedisPrefilterOptions): RedisPrefilter 
     async markInFlight (id, fingerprint, ttlMs) {
       const ttl = ttlOf('markInFlight', ttlMs)
       if (ttl === 0) return // nothing would outlive the lease: holding no marker is the safe side
-      await bounded('markInFlight', () => enqueue((redis) =>
-        redis[COMMAND.mark](keyOf(id), fingerprint.algorithm, fingerprint.digest, ttl)))
+      await bounded('markInFlight', () => enqueue((redis, done) =>
+        redis[COMMAND.mark](keyOf(id), fingerprint.algorithm, fingerprint.digest, ttl, done)))
     },
 
     async clearInFlight (id) {
-      await bounded('clearInFlight', () => enqueue((redis) => redis[COMMAND.clear](keyOf(id))))
+      await bounded('clearInFlight', () => enqueue((redis, done) => redis[COMMAND.clear](keyOf(id), done)))
     },
 
     async remember (id, fingerprint, response, ttlMs) {
       const ttl = ttlOf('remember', ttlMs)
       if (ttl === 0) return // the store's record is about to expire: a copy must not outlive it
       const retained = response.body !== null
-      await bounded('remember', () => enqueue((redis) => redis[COMMAND.remember](
+      await bounded('remember', () => enqueue((redis, done) => redis[COMMAND.remember](
         keyOf(id), fingerprint.algorithm, fingerprint.digest, response.statusCode,
-        JSON.stringify(response.headers), retained ? '1' : '0', response.body ?? EMPTY, ttl)))
+        JSON.stringify(response.headers), retained ? '1' : '0', response.body ?? EMPTY, ttl, done)))
     },
 
     async close () {

@@ -73,18 +73,22 @@ redis.call('PEXPIRE', KEYS[1], ARGV[7])
 return 1
 `
 
+/** An ioredis command's callback: its own reply, or its own error. */
+export type Done<T> = (error: Error | null | undefined, reply?: T) => void
+
 /**
- * The commands the pre-filter sends, as ioredis defines them on a client and on its pipelines alike:
- * a client's return a Promise of the reply (`R` = Promise), a pipeline's return the pipeline (the
- * reply comes from exec). The Buffer variants reply with field names and values as Buffers.
+ * The commands the pre-filter sends, as ioredis defines them on a client and on its pipelines alike,
+ * each called with a callback (a client's also return a promise, a pipeline's the pipeline). The
+ * Buffer variants reply with field names and values as Buffers; ioredis turns HGETALL's reply into an
+ * object.
  */
-export interface ScriptedCommands<R> {
-  hgetallBuffer: (key: string) => R
-  [COMMAND.lookupOrMarkBuffer]: (key: string, algorithm: string, digest: Buffer, ttlMs: number) => R
-  [COMMAND.mark]: (key: string, algorithm: string, digest: Buffer, ttlMs: number) => R
-  [COMMAND.clear]: (key: string) => R
+export interface ScriptedCommands {
+  hgetallBuffer: (key: string, done: Done<Record<string, Buffer>>) => unknown
+  [COMMAND.lookupOrMarkBuffer]: (key: string, algorithm: string, digest: Buffer, ttlMs: number, done: Done<Buffer[]>) => unknown
+  [COMMAND.mark]: (key: string, algorithm: string, digest: Buffer, ttlMs: number, done: Done<unknown>) => unknown
+  [COMMAND.clear]: (key: string, done: Done<unknown>) => unknown
   [COMMAND.remember]: (key: string, algorithm: string, digest: Buffer, status: number, headers: string,
-    retained: '1' | '0', body: Buffer, ttlMs: number) => R
+    retained: '1' | '0', body: Buffer, ttlMs: number, done: Done<unknown>) => unknown
 }
 
 /**

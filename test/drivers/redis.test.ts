@@ -1,12 +1,13 @@
 import { createHash, randomBytes } from 'node:crypto'
 import { createServer, connect, type AddressInfo, type Server, type Socket } from 'node:net'
-import { Cluster, Redis } from 'ioredis'
+import { Cluster, Redis, type Callback } from 'ioredis'
 import t, { type Test } from 'tap'
 import { InvalidOptionError } from '../../lib/errors.js'
 import type { IdempotencyPrefilter } from '../../lib/prefilter.js'
 import type { Fingerprint, RecordId, StoredResponse } from '../../lib/store.js'
 import { redisPrefilter } from '../../drivers/redis/index.js'
 import { recordKey } from '../../drivers/redis/keys.js'
+import { pipelining } from '../../drivers/redis/pipelining.js'
 
 /**
  * The Redis pre-filter against real servers: one standalone (REDIS_URL) and a 3-master cluster
@@ -286,6 +287,34 @@ function standaloneOnly (t: Test, client: Redis): void {
     t.ok(plain?.state === 'completed' && plain.response.body?.equals(body(3)), 'a plain lookup in the same pipeline: its own answer')
     t.equal((await pf.lookup(record(15)))?.state, 'in_progress', 'the markers were written')
     t.equal(pf.stats.failures, 1)
+  })
+
+  t.test('a command that throws as it is queued fails alone, in its caller, with or without company in its turn', async (t) => {
+    const { client: own, writes } = await countedClient(t)
+    const enqueue = pipelining(own, true)
+    const refused = (): never => { throw new TypeError('refused argument') }
+    await t.rejects(enqueue(refused), { message: 'refused argument' }, 'alone in its turn')
+    const key = `${newPrefix()}:k`
+    await own.set(key, 'v')
+    const before = writes()
+    const [first, thrown, last] = await Promise.allSettled([
+      enqueue<Buffer | null>((redis, done) => (redis as unknown as Redis).getBuffer(key, done as Callback<Buffer | null>)),
+      enqueue(refused),
+      enqueue<Buffer | null>((redis, done) => (redis as unknown as Redis).getBuffer(key, done as Callback<Buffer | null>))
+    ])
+    t.equal(writes() - before, 1, 'the two others still share one write')
+    t.ok(first.status === 'fulfilled' && first.value?.toString() === 'v', 'the command before it: its own reply')
+    t.ok(thrown.status === 'rejected' && (thrown.reason as Error).message === 'refused argument', 'it rejects')
+    t.ok(last.status === 'fulfilled' && last.value?.toString() === 'v', 'the command after it: its own reply')
+  })
+
+  t.test('a lone operation in its turn goes out on the client, one write', async (t) => {
+    const { client: own, writes } = await countedClient(t)
+    const pf = redisPrefilter({ client: own, prefix: newPrefix(), timeout: 2000 })
+    await pf.remember({ scope: 's', key: 'k' }, A, RESPONSE, LONG)
+    t.equal(writes(), 1)
+    t.equal((await pf.lookup({ scope: 's', key: 'k' }))?.state, 'completed')
+    t.equal(writes(), 2)
   })
 
   t.test('pipeline: false sends each operation on its own, with the same answers', async (t) => {
