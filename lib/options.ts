@@ -8,7 +8,7 @@ import { resolveKeyring, type EncryptionOptions, type Keyring } from './keyring.
 import type { RebuildFunction } from './reference.js'
 import { createMetrics, type MeterLike, type Metrics } from './observe.js'
 import { PROFILE_NAMES, type ProfileName } from './profiles.js'
-import { integerOption, MAX_TIMER_MS } from './validate.js'
+import { booleanOption, integerOption, MAX_TIMER_MS } from './validate.js'
 import type { EarlierRoutesPolicy } from './earlier-routes.js'
 import { refuseEmptyScope } from './scope.js'
 import type { IdempotencyPrefilter } from './prefilter.js'
@@ -273,7 +273,7 @@ export function resolveGlobalOptions (options: IdempotencyOptions): GlobalSettin
   if (typeof problemTypeBase !== 'string' || !ABSOLUTE_URI.test(problemTypeBase)) {
     throw new InvalidOptionError('option "problemTypeBase"', 'an absolute URI (RFC 9457 §3.1.1)', problemTypeBase)
   }
-  const allowEmptyScope = options.allowEmptyScope === undefined ? false : bool('option "allowEmptyScope"', options.allowEmptyScope)
+  const allowEmptyScope = booleanOption('option "allowEmptyScope"', options.allowEmptyScope, false)
   let docsUrl: string | null = null
   if (options.docsUrl !== undefined) {
     if (typeof options.docsUrl !== 'string' || !/^https?:\/\/\S+$/.test(options.docsUrl) || options.docsUrl.includes('>')) {
@@ -313,7 +313,7 @@ function mergeRouteOptions (base: RouteSettings, options: RouteIdempotencyOption
   const name = (option: string): string => prefix === 'option' ? `option "${option}"` : `${prefix}.${option}`
   const settings: RouteSettings = {
     scope: options.scope === undefined ? base.scope : refuseEmptyScope(fn(name('scope'), options.scope), allowEmptyScope),
-    required: options.required === undefined ? base.required : bool(name('required'), options.required),
+    required: booleanOption(name('required'), options.required, base.required),
     ttl: integerOption(name('ttl'), options.ttl, base.ttl, 1, MAX_TIMER_MS, 'milliseconds'),
     // A ttl shorter than the inherited lease shortens the lease with it; an explicit lease longer
     // than the ttl is refused below.
@@ -332,7 +332,7 @@ function mergeRouteOptions (base: RouteSettings, options: RouteIdempotencyOption
     onStoreError: options.onStoreError === undefined ? base.onStoreError : oneOf(name('onStoreError'), options.onStoreError, ['fail', 'bypass']),
     storeTimeout: integerOption(name('storeTimeout'), options.storeTimeout, base.storeTimeout, 1, MAX_TIMER_MS, 'milliseconds'),
     retryAfter: integerOption(name('retryAfter'), options.retryAfter, base.retryAfter, 0, 86_400, 'seconds'),
-    transaction: options.transaction === undefined ? base.transaction : bool(name('transaction'), options.transaction),
+    transaction: booleanOption(name('transaction'), options.transaction, base.transaction),
     rebuild: options.rebuild === undefined ? base.rebuild : fn(name('rebuild'), options.rebuild)
   }
   if (settings.lease > settings.ttl) {
@@ -347,11 +347,6 @@ function checkObject (name: string, value: unknown): asserts value is object {
 
 function fn<T> (name: string, value: T): T {
   if (typeof value !== 'function') throw new InvalidOptionError(name, 'a function', value)
-  return value
-}
-
-function bool (name: string, value: unknown): boolean {
-  if (typeof value !== 'boolean') throw new InvalidOptionError(name, 'true or false', value)
   return value
 }
 
@@ -461,6 +456,6 @@ function resolveStatusRoute (value: unknown): StatusRouteSettings | null {
   }
   return Object.freeze({
     url,
-    includeBody: includeBody === undefined ? false : bool('option "statusRoute.includeBody"', includeBody)
+    includeBody: booleanOption('option "statusRoute.includeBody"', includeBody, false)
   })
 }

@@ -16,8 +16,8 @@ export type Enqueue = <T>(command: (redis: ScriptedCommands, done: Done<T>) => u
  *
  * The flush runs in setImmediate, after the turn's I/O callbacks (every request whose bytes arrived
  * in that poll), so a command waits for no timer and no other round trip; a turn with one command
- * sends it on the client itself. A pipeline is not a
- * transaction: each command is still its own atomic script on its own key. Each reply reaches its
+ * sends it on the client itself. A pipeline is not a transaction: each command is still its own
+ * atomic script on its own key. Each reply reaches its
  * caller through the callback given with its own command, never by its position in the pipeline's
  * results, so no failure of another command can hand one key's record to another key's request.
  *
@@ -29,8 +29,8 @@ export type Enqueue = <T>(command: (redis: ScriptedCommands, done: Done<T>) => u
 export function pipelining (client: Redis | Cluster, enabled: boolean): Enqueue {
   const direct = client as unknown as ScriptedCommands
   if (client.isCluster || !enabled) {
-    return async <T>(command: (redis: ScriptedCommands, done: Done<T>) => unknown): Promise<T> =>
-      await new Promise<T>((resolve, reject) => { command(direct, settle(resolve, reject)) })
+    const send: Enqueue = async (command) => await new Promise((resolve, reject) => { command(direct, settle(resolve, reject)) })
+    return send
   }
 
   /** The commands of the current turn, not sent yet, or null when none is queued. */
@@ -54,14 +54,14 @@ export function pipelining (client: Redis | Cluster, enabled: boolean): Enqueue 
     })
   }
 
-  return async <T>(command: (redis: ScriptedCommands, done: Done<T>) => unknown): Promise<T> =>
-    await new Promise<T>((resolve, reject) => {
-      if (queued === null) {
-        queued = []
-        setImmediate(flush)
-      }
-      queued.push({ send: (redis) => command(redis, settle(resolve, reject)), reject })
-    })
+  const send: Enqueue = async (command) => await new Promise((resolve, reject) => {
+    if (queued === null) {
+      queued = []
+      setImmediate(flush)
+    }
+    queued.push({ send: (redis) => command(redis, settle(resolve, reject)), reject })
+  })
+  return send
 }
 
 interface Queued {

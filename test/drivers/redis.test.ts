@@ -233,25 +233,29 @@ function standaloneOnly (t: Test, client: Redis): void {
     t.equal((await pf.lookup({ scope: 's', key: 'k' }))?.state, 'in_progress')
   })
 
-  /** A client of its own, so that its socket carries one test's commands only, and its writes counted. */
-  async function countedClient (t: Test): Promise<{ client: Redis, writes: () => number }> {
+  /**
+   * A client of its own, so that its socket carries one test's commands only: its writes and the
+   * pipelines made on it are counted.
+   */
+  async function countedClient (t: Test): Promise<{ client: Redis, writes: () => number, pipelines: () => number }> {
     const own = new Redis(REDIS_URL, { db: 1 })
     t.teardown(() => own.disconnect())
     await own.ping()
     let writes = 0
+    let pipelines = 0
     const stream = (own as unknown as { stream: Socket }).stream
     const write = stream.write
     stream.write = function (this: Socket, ...args: unknown[]): boolean {
       writes++
       return (write as (...args: unknown[]) => boolean).apply(this, args)
     } as typeof stream.write
-    return { client: own, writes: () => writes }
+    const pipeline = own.pipeline.bind(own)
+    own.pipeline = (...args: Parameters<Redis['pipeline']>) => { pipelines++; return pipeline(...args) }
+    return { client: own, writes: () => writes, pipelines: () => pipelines }
   }
 
   t.test('the operations of one event-loop turn share one pipeline: one write, each its own answer or error', async (t) => {
-    const { client: own, writes: written } = await countedClient(t)
-    let writes = 0
-    const counted = (): number => written() - writes
+    const { client: own, writes } = await countedClient(t)
     const prefix = newPrefix()
     const pf = redisPrefilter({ client: own, prefix, timeout: 2000 })
     const lookupOrMark = pf.lookupOrMark as NonNullable<IdempotencyPrefilter['lookupOrMark']>
@@ -259,16 +263,16 @@ function standaloneOnly (t: Test, client: Redis): void {
     const body = (i: number): Buffer => Buffer.from(`body ${i}`)
 
     await Promise.all(Array.from({ length: 10 }, (_, i) => pf.remember(record(i), A, { ...RESPONSE, body: body(i) }, LONG)))
-    t.equal(counted(), 1, '10 copies written in one turn: one write')
+    t.equal(writes(), 1, '10 copies written in one turn: one write')
 
     // Not a hash: its script fails (WRONGTYPE), and only its caller sees that.
     await client.set(recordKey(prefix, record(99)), 'not a hash')
-    writes = written()
+    const before = writes()
     const marking = [...Array.from({ length: 20 }, (_, i) => lookupOrMark(record(i), A, LONG)), lookupOrMark(record(99), A, LONG)]
     const looking = pf.lookup(record(3))
     const answers = await Promise.allSettled(marking)
     const plain = await looking
-    t.equal(counted(), 1, '22 operations in one turn: one write')
+    t.equal(writes() - before, 1, '22 operations in one turn: one write')
     for (let i = 0; i < 20; i++) {
       const answer = answers[i]!
       if (answer.status !== 'fulfilled') {
@@ -308,13 +312,28 @@ function standaloneOnly (t: Test, client: Redis): void {
     t.ok(last.status === 'fulfilled' && last.value?.toString() === 'v', 'the command after it: its own reply')
   })
 
-  t.test('a lone operation in its turn goes out on the client, one write', async (t) => {
-    const { client: own, writes } = await countedClient(t)
+  t.test('a lone operation in its turn goes out on the client, without a pipeline; two share one', async (t) => {
+    const { client: own, writes, pipelines } = await countedClient(t)
     const pf = redisPrefilter({ client: own, prefix: newPrefix(), timeout: 2000 })
     await pf.remember({ scope: 's', key: 'k' }, A, RESPONSE, LONG)
-    t.equal(writes(), 1)
     t.equal((await pf.lookup({ scope: 's', key: 'k' }))?.state, 'completed')
-    t.equal(writes(), 2)
+    t.same([writes(), pipelines()], [2, 0], 'two turns of one operation: two writes, no pipeline')
+    const [one, two] = await Promise.all([pf.lookup({ scope: 's', key: 'k' }), pf.lookup({ scope: 's', key: 'absent' })])
+    t.same([one?.state, two], ['completed', null])
+    t.same([writes(), pipelines()], [3, 1], 'one turn of two operations: one pipeline, one write')
+  })
+
+  t.test('a pipeline that fails as a whole fails each of its commands, which fall through', async (t) => {
+    const { client: own } = await countedClient(t)
+    // A pipeline whose exec fails before anything is sent (as ioredis's does when a cluster has no
+    // slots yet): no command of it is ever answered on its own.
+    own.pipeline = () => ({ hgetallBuffer: () => {}, exec: async () => { throw new Error('pipeline lost') } }) as unknown as ReturnType<Redis['pipeline']>
+    const pf = redisPrefilter({ client: own, prefix: newPrefix(), timeout: 2000 })
+    const started = Date.now()
+    const answers = await Promise.allSettled([pf.lookup({ scope: 's', key: 'a' }), pf.lookup({ scope: 's', key: 'b' })])
+    t.same(answers.map((answer) => answer.status === 'rejected' ? (answer.reason as Error).message : answer.status), ['pipeline lost', 'pipeline lost'])
+    t.ok(Date.now() - started < 1000, 'at once, not at the 2 s deadline')
+    t.equal(pf.stats.failures, 2)
   })
 
   t.test('pipeline: false sends each operation on its own, with the same answers', async (t) => {
