@@ -1,9 +1,16 @@
 /**
- * The claim statement against the single-statement alternative Citus would run as one router
- * statement (issue 15: "a claim form that is a single router statement on Citus without costing a
- * round trip on plain PostgreSQL, measure both"), on plain PostgreSQL, side by side:
- * `DATABASE_URL=postgres://… npx tsx benchmarks/postgres-claim-forms.ts [--quick]`.
+ * The driver's claim statement against its alternatives, on plain PostgreSQL, side by side:
+ * `npm run bench:claim-forms [-- --quick] [--out file]` (a throwaway PostgreSQL unless DATABASE_URL
+ * is set; writes benchmarks/results/claim-forms.json, claim-forms.quick.json with --quick). Two questions it answers (issues 14 and 15):
  *
+ * - Is there a claim form that is one router statement on Citus without costing a round trip on
+ *   plain PostgreSQL? (`upsert`)
+ * - A replay is the claim statement finding the row, and costs PostgreSQL more than the one
+ *   primary-key SELECT of the benchmark's floor-select. Is that the insert's work on a row that is
+ *   there, which another form of the same one statement could skip? (`read-first`, and `select` as
+ *   the bound)
+ *
+ * The forms, each one statement, prepared:
  * - `cte`: the driver's claim (drivers/postgres/statements.ts): a data-modifying CTE, INSERT … ON
  *   CONFLICT DO NOTHING, and a read of the row in the way when the insert did nothing. On Citus the
  *   CTE and the read run as two steps (two coordinator–worker round trips).
@@ -13,64 +20,110 @@
  *   every duplicate writes a new row version (WAL, a dead tuple, a row lock that a concurrent
  *   duplicate waits for, and under SERIALIZABLE a serialization failure between two replays of
  *   one key), where the driver's duplicate only reads.
+ * - `read-first`: the row is read first (a materialized CTE) and the insert runs only when the
+ *   read found nothing (INSERT … SELECT … WHERE NOT EXISTS, still ON CONFLICT DO NOTHING). A
+ *   duplicate then never reaches the insert's conflict check. Same answers as `cte` (a row
+ *   committed after the snapshot: nothing returned, the caller asks again).
+ * - `select`: duplicates only, the bound: the same columns by primary key, no insert at all (a
+ *   fresh key would then need a second round trip to claim).
  *
- * Two paths, each in interleaved rounds (both forms every round, the order alternating), medians:
+ * Two paths, each in interleaved rounds (every form every round, the order reversing), medians:
  * `fresh` (every claim a new key: the insert wins) and `duplicate` (every claim a key that holds a
- * completed record: the replay path). CONCURRENCY claims in flight on a pool of as many connections.
- * Ratios are upsert / cte in claims per second (above 1: the upsert is faster); then the WAL bytes
- * a duplicate claim writes, per form.
+ * completed record: the replay path). CONCURRENCY claims in flight on a pool of as many
+ * connections. For each: claims per second, PostgreSQL's CPU per claim (every postgres process,
+ * /proc: benchmarks/measured-cpu.ts; 10 ms ticks, so ±2.5 µs at 4,000 claims), each form's ratio
+ * to `cte`; then the WAL bytes a duplicate claim writes, per form.
  */
 import { createHash, randomUUID } from 'node:crypto'
+import { mkdirSync, writeFileSync } from 'node:fs'
+import { dirname } from 'node:path'
+import { fileURLToPath } from 'node:url'
+import { parseArgs } from 'node:util'
 import postgres from 'postgres'
 import { createStatements, type ClaimArgs } from '../drivers/postgres/statements.js'
 import { migrate } from '../drivers/postgres/schema.js'
 import { postgresJsClient } from '../drivers/postgres/postgres-js.js'
+import { measuredCpuSplitMs } from './measured-cpu.js'
+import { benchServices } from './services.js'
 
-const url = process.env.DATABASE_URL
-if (url === undefined || url === '') throw new Error('DATABASE_URL is not set')
-const quick = process.argv.includes('--quick')
+const { values: options } = parseArgs({ options: { quick: { type: 'boolean', default: false }, out: { type: 'string' } } })
+const quick = options.quick === true
 const ROUNDS = quick ? 1 : 9
 const CLAIMS = quick ? 200 : 4000
 const CONCURRENCY = 8
-const DUPLICATE_KEYS = 1000
+const DUPLICATE_KEYS = quick ? 100 : 1000
+const OUT = options.out ?? fileURLToPath(new URL(`./results/claim-forms${quick ? '.quick' : ''}.json`, import.meta.url))
 
+const services = await benchServices()
 const schema = `idem_bench_claim_${randomUUID().slice(0, 8)}`
-const sql = postgres(url, { max: CONCURRENCY, onnotice: () => {}, fetch_types: false })
+const sql = postgres(services.databaseUrl, { max: CONCURRENCY, onnotice: () => {}, fetch_types: false })
 await migrate(sql, { schema, table: 'records' })
 const table = `"${schema}".records`
 const statements = createStatements(postgresJsClient(sql), table)
-const upsertText = `
-  INSERT INTO ${table} (scope, key, fingerprint, fingerprint_algorithm, state, owner_token, lease_expires_at, expires_at)
-  VALUES ($1, $2, $3::bytea, $4, 'in_progress', $5::uuid, now() + $6::float8 * interval '1 millisecond',
-          greatest(now() + $7::float8 * interval '1 millisecond', now() + $6::float8 * interval '1 millisecond'))
-  ON CONFLICT (scope, key) DO UPDATE SET key = EXCLUDED.key
-  RETURNING xmax = 0, state, fingerprint_algorithm, fingerprint, owner_token::text, expires_at <= now(),
+
+// The driver's record columns (statements.ts recordColumns), for the alternative forms.
+const msUntil = (column: string): string => `(extract(epoch FROM ${column}) - extract(epoch FROM now())) * 1000`
+const later = (n: number): string => `now() + $${n}::float8 * interval '1 millisecond'`
+const RECORD_COLUMNS = `state, fingerprint_algorithm, fingerprint, owner_token::text, expires_at <= now(),
     lease_expires_at <= now() AND NOT indeterminate,
-    greatest(0, ceil((extract(epoch FROM lease_expires_at) - extract(epoch FROM now())) * 1000))::float8,
+    greatest(0, ceil(${msUntil('lease_expires_at')}))::float8,
     response_status, response_headers, CASE WHEN expires_at > now() THEN response_body END,
-    greatest(0, floor((extract(epoch FROM expires_at) - extract(epoch FROM now())) * 1000))::float8`
+    greatest(0, floor(${msUntil('expires_at')}))::float8`
+const COLUMNS = '(scope, key, fingerprint, fingerprint_algorithm, state, owner_token, lease_expires_at, expires_at)'
+const upsertText = `
+  INSERT INTO ${table} ${COLUMNS}
+  VALUES ($1, $2, $3::bytea, $4, 'in_progress', $5::uuid, ${later(6)}, greatest(${later(7)}, ${later(6)}))
+  ON CONFLICT (scope, key) DO UPDATE SET key = EXCLUDED.key
+  RETURNING xmax = 0, ${RECORD_COLUMNS}`
+const readFirstText = `
+  WITH existing AS MATERIALIZED (
+    SELECT ${RECORD_COLUMNS} FROM ${table} WHERE scope = $1 AND key = $2
+  ), claimed AS (
+    INSERT INTO ${table} ${COLUMNS}
+    SELECT $1, $2, $3::bytea, $4, 'in_progress', $5::uuid, ${later(6)}, greatest(${later(7)}, ${later(6)})
+    WHERE NOT EXISTS (SELECT FROM existing)
+    ON CONFLICT (scope, key) DO NOTHING
+    RETURNING true AS acquired
+  )
+  SELECT acquired, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL FROM claimed
+  UNION ALL
+  SELECT false, * FROM existing`
+const selectText = `SELECT ${RECORD_COLUMNS} FROM ${table} WHERE scope = $1 AND key = $2`
 
 const digest = createHash('sha256').update('bench').digest()
 const args = (key: string): ClaimArgs => ({ scope: 'bench', key, fingerprint: { algorithm: 'canonical-v1', digest }, token: randomUUID(), leaseMs: 60_000, ttlMs: 3_600_000 })
-type Form = 'cte' | 'upsert'
-/** One claim; true when it acquired the key. */
+const claimValues = (a: ClaimArgs): postgres.ParameterOrJSON<never>[] => [a.scope, a.key, a.fingerprint.digest, a.fingerprint.algorithm, a.token, a.leaseMs, a.ttlMs]
+async function firstColumn (text: string, values: postgres.ParameterOrJSON<never>[]): Promise<unknown> {
+  const [row] = await sql.unsafe(text, values, { prepare: true }).values()
+  return row?.[0]
+}
+
+type Form = 'cte' | 'upsert' | 'read-first' | 'select'
+type Path = 'fresh' | 'duplicate'
+const FORMS: Record<Path, Form[]> = { fresh: ['cte', 'upsert', 'read-first'], duplicate: ['cte', 'upsert', 'read-first', 'select'] }
+/** One claim; true when it acquired the key (for `select`: when it found no row). */
 async function claim (form: Form, key: string): Promise<boolean> {
   const a = args(key)
-  if (form === 'cte') return (await statements.claim(a))?.acquired === true
-  const [row] = await sql.unsafe(upsertText, [a.scope, a.key, a.fingerprint.digest, a.fingerprint.algorithm, a.token, a.leaseMs, a.ttlMs], { prepare: true }).values()
-  return row?.[0] === true
+  switch (form) {
+    case 'cte': return (await statements.claim(a))?.acquired === true
+    case 'upsert': return await firstColumn(upsertText, claimValues(a)) === true
+    case 'read-first': return await firstColumn(readFirstText, claimValues(a)) === true
+    case 'select': return await firstColumn(selectText, [a.scope, a.key]) === undefined
+  }
 }
 
 // The duplicate path's keys hold completed records, as a replayed key does.
 for (let i = 0; i < DUPLICATE_KEYS; i++) {
   await sql.unsafe(`INSERT INTO ${table} (scope, key, fingerprint, fingerprint_algorithm, state, owner_token, response_status, response_headers, response_body, expires_at)
-    VALUES ('bench', $1, $2, 'canonical-v1', 'completed', $3::uuid, 201, '{}'::jsonb, $4, now() + interval '1 hour')`, [`dup-${i}`, digest, randomUUID(), Buffer.alloc(200)])
+    VALUES ('bench', $1, $2, 'canonical-v1', 'completed', $3::uuid, 201, '{"content-type":"application/json; charset=utf-8"}'::jsonb, $4, now() + interval '1 hour')`,
+  [`dup-${i}`, digest, randomUUID(), Buffer.alloc(200)])
 }
 
 let fresh = 0
-/** Claims per second of CLAIMS claims, CONCURRENCY at a time; checks each outcome. */
-async function measure (form: Form, path: 'fresh' | 'duplicate'): Promise<number> {
+/** CLAIMS claims, CONCURRENCY at a time, each outcome checked: claims per second and PostgreSQL's CPU µs per claim. */
+async function measure (form: Form, path: Path): Promise<{ rate: number, pgCpuUs: number | null }> {
   let next = 0
+  const cpuBefore = measuredCpuSplitMs(process.pid)?.postgres
   const start = process.hrtime.bigint()
   await Promise.all(Array.from({ length: CONCURRENCY }, async () => {
     while (next < CLAIMS) {
@@ -80,30 +133,52 @@ async function measure (form: Form, path: 'fresh' | 'duplicate'): Promise<number
       if (acquired !== (path === 'fresh')) throw new Error(`${form} ${path}: claim of ${key} acquired=${acquired}`)
     }
   }))
-  return CLAIMS / (Number(process.hrtime.bigint() - start) / 1e9)
+  const rate = CLAIMS / (Number(process.hrtime.bigint() - start) / 1e9)
+  const cpuAfter = measuredCpuSplitMs(process.pid)?.postgres
+  return { rate, pgCpuUs: cpuBefore === undefined || cpuAfter === undefined ? null : (cpuAfter - cpuBefore) * 1000 / CLAIMS }
 }
 
 const median = (values: number[]): number => { const s = [...values].sort((a, b) => a - b); return s[Math.floor(s.length / 2)] as number }
-const results: Record<string, Record<Form, number[]>> = { fresh: { cte: [], upsert: [] }, duplicate: { cte: [], upsert: [] } }
+const rates = { fresh: {}, duplicate: {} } as Record<Path, Partial<Record<Form, number[]>>>
+const cpu = { fresh: {}, duplicate: {} } as Record<Path, Partial<Record<Form, number[]>>>
 // Warm-up: prepares the statements on every connection.
-for (const form of ['cte', 'upsert'] as const) { await measure(form, 'fresh'); await measure(form, 'duplicate') }
+for (const path of ['fresh', 'duplicate'] as const) for (const form of FORMS[path]) await measure(form, path)
 for (let round = 0; round < ROUNDS; round++) {
   for (const path of ['fresh', 'duplicate'] as const) {
-    const order: Form[] = round % 2 === 0 ? ['cte', 'upsert'] : ['upsert', 'cte']
-    for (const form of order) results[path]![form].push(await measure(form, path))
+    const order = round % 2 === 0 ? FORMS[path] : [...FORMS[path]].reverse()
+    for (const form of order) {
+      const { rate, pgCpuUs } = await measure(form, path)
+      ;(rates[path][form] ??= []).push(rate)
+      if (pgCpuUs !== null) (cpu[path][form] ??= []).push(pgCpuUs)
+    }
   }
 }
-for (const [path, byForm] of Object.entries(results)) {
-  const cte = median(byForm.cte)
-  const upsert = median(byForm.upsert)
-  console.log(`${path.padEnd(9)} cte ${cte.toFixed(0).padStart(6)}/s  upsert ${upsert.toFixed(0).padStart(6)}/s  upsert/cte ${(upsert / cte).toFixed(2)}`)
+
+const [server] = await sql`SHOW server_version`
+const result: Record<string, unknown> = { date: new Date().toISOString(), node: process.version, postgresServer: server?.server_version, quick, rounds: ROUNDS, claims: CLAIMS, concurrency: CONCURRENCY, paths: {}, walBytesPerDuplicate: {} }
+for (const path of ['fresh', 'duplicate'] as const) {
+  const cte = median(rates[path].cte!)
+  const rows: Record<string, { claimsPerSecond: number, toCte: number, pgCpuUsPerClaim: number | null }> = {}
+  for (const form of FORMS[path]) {
+    const rate = median(rates[path][form]!)
+    const pgCpu = cpu[path][form] === undefined ? null : median(cpu[path][form])
+    rows[form] = { claimsPerSecond: Math.round(rate), toCte: Math.round(rate / cte * 100) / 100, pgCpuUsPerClaim: pgCpu === null ? null : Math.round(pgCpu * 10) / 10 }
+    console.log(`${path.padEnd(9)} ${form.padEnd(10)} ${rate.toFixed(0).padStart(6)}/s  ${(rate / cte).toFixed(2)}× cte  PostgreSQL ${pgCpu === null ? '–' : pgCpu.toFixed(1)} µs CPU per claim`)
+  }
+  (result.paths as Record<string, unknown>)[path] = rows
 }
 // What a duplicate claim writes: WAL bytes per claim over one more duplicate pass of each form.
-for (const form of ['cte', 'upsert'] as const) {
+for (const form of FORMS.duplicate) {
   const [before] = await sql`SELECT pg_current_wal_insert_lsn() AS lsn`
   await measure(form, 'duplicate')
   const [written] = await sql`SELECT pg_wal_lsn_diff(pg_current_wal_insert_lsn(), ${before?.lsn}::pg_lsn)::float8 AS bytes`
-  console.log(`duplicate ${form}: ${(Number(written?.bytes) / CLAIMS).toFixed(0)} WAL bytes per claim`)
+  const bytes = Math.round(Number(written?.bytes) / CLAIMS)
+  ;(result.walBytesPerDuplicate as Record<string, number>)[form] = bytes
+  console.log(`duplicate ${form}: ${bytes} WAL bytes per claim`)
 }
+mkdirSync(dirname(OUT), { recursive: true })
+writeFileSync(OUT, JSON.stringify(result, null, 2) + '\n')
+console.log(`written to ${OUT}`)
 await sql`DROP SCHEMA ${sql(schema)} CASCADE`
 await sql.end({ timeout: 2 })
+await services.stop()

@@ -129,6 +129,24 @@ t.test('npm run bench:reference -- --quick writes a well-formed result', async (
   t.type(result.replayRatio, 'number')
 })
 
+t.test('npm run bench:claim-forms -- --quick compares the claim forms and checks every answer', async (t) => {
+  if (process.env.DATABASE_URL === undefined) return t.fail('DATABASE_URL must be set (npm test sets it)')
+  const out = join(dir, 'claim-forms.json')
+  // The script throws (exit ≠ 0) on any claim whose outcome is wrong for its path.
+  const { code, output } = await run('benchmarks/postgres-claim-forms.ts', ['--out', out])
+  t.equal(code, 0, output.slice(-2000))
+  const result = JSON.parse(readFileSync(out, 'utf8')) as {
+    paths: Record<'fresh' | 'duplicate', Record<string, { claimsPerSecond: number, toCte: number }>>
+    walBytesPerDuplicate: Record<string, number>
+  }
+  t.same(Object.keys(result.paths.fresh), ['cte', 'upsert', 'read-first'])
+  t.same(Object.keys(result.paths.duplicate), ['cte', 'upsert', 'read-first', 'select'])
+  t.equal(result.paths.duplicate.cte!.toCte, 1)
+  // The upsert writes a row version per duplicate. (WAL is the whole server's, which other test
+  // files share: only a lower bound can be asserted here.)
+  t.ok(result.walBytesPerDuplicate.upsert! > 100, `upsert: ${result.walBytesPerDuplicate.upsert} WAL bytes per duplicate`)
+})
+
 t.test('npm run bench:crosscheck says how to install wrk when it is missing', async (t) => {
   const { code, output } = await run('benchmarks/crosscheck.ts', [], { ...process.env, WRK: join(dir, 'no-such-wrk') })
   t.equal(code, 2, output)

@@ -112,7 +112,7 @@ export function createStatements (db: Queryable, table: string): Statements {
   // someone else's record, and a read that finds nothing is the same null, retried.
   // DO NOTHING, never DO UPDATE: on Citus its SET/WHERE allow immutable expressions only (citus-notes 1),
   // and a DO UPDATE that returns the row would make every duplicate write a row version
-  // (benchmarks/postgres-claim-forms.ts: fresh claims 0.88-1.01x, duplicates 0.85-0.89x, 205 WAL bytes each).
+  // (benchmarks/postgres-claim-forms.ts: fresh claims 0.88-1.01x, duplicates 0.85-0.93x, 205-211 WAL bytes each).
   const claimText = `
     WITH claimed AS (
       INSERT INTO ${table} (scope, key, fingerprint, fingerprint_algorithm, state, owner_token, lease_expires_at, expires_at)
