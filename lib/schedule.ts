@@ -61,6 +61,14 @@ export class Schedule<T extends Scheduled> {
     if (this.#first === null && this.#timer !== null && this.keepAlive) this.#timer.unref()
   }
 
+  /** Takes every waiting item out, in order, and runs `each` on it (a closing owner settles them all at once). */
+  drain (each: (item: T) => void): void {
+    for (let item = this.#first; item !== null; item = this.#first) {
+      this.remove(item)
+      each(item)
+    }
+  }
+
   #arm (ms: number): void {
     // A delay shorter than 1 ms would be a busy loop; Node rounds it up to 1 ms anyway.
     const timer = setTimeout(fire, Math.max(1, Math.ceil(ms)), this)

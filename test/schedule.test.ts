@@ -61,3 +61,21 @@ t.test('a schedule keeps the process alive only while items wait, with one timer
   lone.add(new Item('z'))
   t.equal(timers(), before, 'a schedule made not to keep the process alive never does')
 })
+
+t.test('drain takes every waiting item out, in order, and none of them falls due afterwards', async (t) => {
+  const due: string[] = []
+  const schedule = new Schedule<Item>(30, (item) => { due.push(item.name) }, false)
+  const items = [new Item('a'), new Item('b'), new Item('c')]
+  for (const item of items) schedule.add(item)
+  schedule.remove(items[1] as Item)
+  const drained: string[] = []
+  schedule.drain((item) => { drained.push(item.name) })
+  t.same(drained, ['a', 'c'])
+  t.equal(items.some((item) => item.scheduled), false, 'nothing is left scheduled')
+  schedule.drain(() => { t.fail('an empty schedule has nothing to drain') })
+  await sleep(60)
+  t.same(due, [], 'a drained item never falls due')
+  schedule.add(items[1] as Item)
+  await sleep(60)
+  t.same(due, ['b'], 'the schedule still works after a drain')
+})

@@ -1,11 +1,13 @@
-import type { ChainableCommander, Cluster, Redis } from 'ioredis'
+import type { Cluster, Redis } from 'ioredis'
 import type { Done, ScriptedCommands } from './scripts.js'
 
 /**
  * Sends one pre-filter command: `command` issues it on the client or on the turn's pipeline, passing
- * `done` as its callback, and the promise settles with that command's own reply or error.
+ * `done` as its callback, so `done` receives that command's own reply or error (exactly once but
+ * for a pipeline that fails as a whole, whose commands may hear of it a second time: callers
+ * settle once and ignore the rest).
  */
-export type Enqueue = <T>(command: (redis: ScriptedCommands, done: Done<T>) => unknown) => Promise<T>
+export type Enqueue = <T>(command: (redis: ScriptedCommands, done: Done<T>) => unknown, done: Done<T>) => void
 
 /**
  * Commands sent together, once per event-loop turn, as one pipeline: one write to the socket instead
@@ -28,13 +30,10 @@ export type Enqueue = <T>(command: (redis: ScriptedCommands, done: Done<T>) => u
  */
 export function pipelining (client: Redis | Cluster, enabled: boolean): Enqueue {
   const direct = client as unknown as ScriptedCommands
-  if (client.isCluster || !enabled) {
-    const send: Enqueue = async (command) => await new Promise((resolve, reject) => { command(direct, settle(resolve, reject)) })
-    return send
-  }
+  if (client.isCluster || !enabled) return (command, done) => { issue(command, done, direct) }
 
   /** The commands of the current turn, not sent yet, or null when none is queued. */
-  let queued: Queued[] | null = null
+  let queued: Array<Queued<unknown>> | null = null
 
   function flush (): void {
     const commands = queued!
@@ -42,45 +41,38 @@ export function pipelining (client: Redis | Cluster, enabled: boolean): Enqueue 
     // A lone command goes straight to the client: a pipeline object per turn costs more than it saves
     // when nothing shares the write (one request per turn, at low concurrency).
     if (commands.length === 1) {
-      issue(commands[0]!, direct)
+      const lone = commands[0]!
+      issue(lone.command, lone.done, direct)
       return
     }
     const pipeline = client.pipeline()
-    for (const command of commands) issue(command, pipeline as unknown as ScriptedCommands)
+    for (const queuedCommand of commands) issue(queuedCommand.command, queuedCommand.done, pipeline as unknown as ScriptedCommands)
     pipeline.exec().catch((error: Error) => {
       // The pipeline failed as a whole (ioredis then settles no command of it): each caller fails,
       // and falls through to the store. A command already answered ignores this.
-      for (const command of commands) command.reject(error)
+      for (const queuedCommand of commands) queuedCommand.done(error)
     })
   }
 
-  const send: Enqueue = async (command) => await new Promise((resolve, reject) => {
+  return (command, done) => {
     if (queued === null) {
       queued = []
       setImmediate(flush)
     }
-    queued.push({ send: (redis) => command(redis, settle(resolve, reject)), reject })
-  })
-  return send
-}
-
-interface Queued {
-  send: (redis: ScriptedCommands) => unknown
-  reject: (error: Error) => void
-}
-
-/** Issues one queued command; one that throws (ioredis refusing an argument) fails alone, in its caller. */
-function issue (command: Queued, redis: ScriptedCommands): void {
-  try {
-    command.send(redis)
-  } catch (error) {
-    command.reject(error instanceof Error ? error : new Error(String(error)))
+    queued.push({ command, done } as Queued<unknown>)
   }
 }
 
-function settle<T> (resolve: (value: T) => void, reject: (error: Error) => void): Done<T> {
-  return (error, reply) => {
-    if (error !== null && error !== undefined) reject(error)
-    else resolve(reply as T)
+interface Queued<T> {
+  command: (redis: ScriptedCommands, done: Done<T>) => unknown
+  done: Done<T>
+}
+
+/** Issues one command; one that throws (ioredis refusing an argument) fails alone, in its caller. */
+function issue<T> (command: Queued<T>['command'], done: Done<T>, redis: ScriptedCommands): void {
+  try {
+    command(redis, done)
+  } catch (error) {
+    done(error instanceof Error ? error : new Error(String(error)))
   }
 }

@@ -4,7 +4,8 @@ import { PrefilterClosedError, PrefilterTimeoutError } from './errors.js'
 import { FIELD, recordKey } from './keys.js'
 import { resolvePrefilterOptions, type RedisPrefilterOptions } from './options.js'
 import { pipelining } from './pipelining.js'
-import { COMMAND, defineScripts } from './scripts.js'
+import { COMMAND, defineScripts, type Done, type ScriptedCommands } from './scripts.js'
+import { Schedule, type Scheduled } from '../../lib/schedule.js'
 
 /**
  * The Redis pre-filter (issue 4): answers duplicates from Redis during retry storms and never
@@ -29,43 +30,41 @@ export function redisPrefilter (options: RedisPrefilterOptions): RedisPrefilter 
   const { client, prefix, timeout, pipeline } = resolvePrefilterOptions(options)
   defineScripts(client)
   const enqueue = pipelining(client, pipeline)
-  /** Rejecters of operations still waiting, so close() can settle them and stop their timers. */
-  const pending = new Set<(error: Error) => void>()
-  let closed = false
   const stats = { hits: 0, misses: 0, failures: 0 }
+  /**
+   * The deadlines of operations still waiting, one shared schedule (lib/schedule.ts) instead of a
+   * timer per operation; close() settles whatever is left in it. Unref'd: a deadline must not keep
+   * a process alive on its own.
+   */
+  const deadlines = new Schedule<Waiting>(timeout, (waiting) => {
+    stats.failures++
+    waiting.fail(new PrefilterTimeoutError(waiting.operation, timeout))
+  }, false)
+  let closed = false
 
   /**
-   * Runs one Redis call with a deadline. The call's own promise always gets both handlers attached,
-   * so a reply (or failure) arriving after the deadline is consumed, never an unhandled rejection.
+   * Sends one command with a deadline. The promise settles once: with the command's reply or
+   * error, with the deadline's error, or with close()'s, whichever comes first. An item still in
+   * the schedule is an operation not settled yet; a reply that comes after its deadline finds it
+   * gone, and is dropped (never an unhandled rejection).
    */
-  function bounded<T> (operation: string, call: () => Promise<T>): Promise<T> {
+  function bounded<T> (operation: string, command: (redis: ScriptedCommands, done: Done<T>) => unknown): Promise<T> {
     if (closed) return Promise.reject(new PrefilterClosedError(operation))
     return new Promise<T>((resolve, reject) => {
-      const settle = (error: Error): void => {
-        clearTimeout(timer)
-        pending.delete(settle)
-        reject(error)
-      }
-      const timer = setTimeout(() => settle(new PrefilterTimeoutError(operation, timeout)), timeout)
-      // The deadline must not keep a process alive on its own.
-      timer.unref()
-      pending.add(settle)
-      let reply: Promise<T>
-      try {
-        reply = call()
-      } catch (error) {
-        // ioredis may throw synchronously (e.g. a bad argument): same outcome as a failed reply.
-        settle(error as Error)
-        return
-      }
-      reply.then((value) => {
-        clearTimeout(timer)
-        pending.delete(settle)
-        resolve(value) // a no-op when the deadline already rejected
-      }, (error: unknown) => settle(error instanceof Error ? error : new Error(String(error))))
-    }).catch((error: unknown) => {
-      stats.failures++
-      throw error
+      const waiting: Waiting = { dueAt: 0, previous: null, next: null, scheduled: false, operation, fail: reject }
+      deadlines.add(waiting)
+      // A command ioredis refuses as it is issued (a bad argument) comes back through `done` too
+      // (pipelining.ts, issue): the same outcome as a failed reply.
+      enqueue<T>(command, (error, reply) => {
+        if (!waiting.scheduled) return // settled already, by the deadline or by close()
+        deadlines.remove(waiting)
+        if (error === null || error === undefined) {
+          resolve(reply as T)
+        } else {
+          stats.failures++
+          reject(error)
+        }
+      })
     })
   }
 
@@ -89,7 +88,7 @@ export function redisPrefilter (options: RedisPrefilterOptions): RedisPrefilter 
   async function lookup (id: RecordId): Promise<PrefilterHit | null> {
     // One HGETALL is atomic: a half-written record can never be seen (scripts write in one go).
     // The Buffer variant keeps digests and bodies byte-identical.
-    return counted(parseHit(await bounded('lookup', () => enqueue<Record<string, Buffer>>((redis, done) => redis.hgetallBuffer(keyOf(id), done)))))
+    return counted(parseHit(await bounded<Record<string, Buffer>>('lookup', (redis, done) => redis.hgetallBuffer(keyOf(id), done))))
   }
 
   return {
@@ -99,8 +98,8 @@ export function redisPrefilter (options: RedisPrefilterOptions): RedisPrefilter 
       const ttl = ttlOf('lookupOrMark', ttlMs)
       // A lease too short to hold a marker: a plain lookup (holding no marker is the safe side).
       if (ttl === 0) return { hit: await lookup(id), marked: false }
-      const pairs = await bounded('lookupOrMark', () => enqueue<Buffer[]>((redis, done) =>
-        redis[COMMAND.lookupOrMarkBuffer](keyOf(id), fingerprint.algorithm, fingerprint.digest, ttl, done)))
+      const pairs = await bounded<Buffer[]>('lookupOrMark', (redis, done) =>
+        redis[COMMAND.lookupOrMarkBuffer](keyOf(id), fingerprint.algorithm, fingerprint.digest, ttl, done))
       if (pairs.length === 0) {
         stats.misses++
         return { hit: null, marked: true }
@@ -113,32 +112,42 @@ export function redisPrefilter (options: RedisPrefilterOptions): RedisPrefilter 
     async markInFlight (id, fingerprint, ttlMs) {
       const ttl = ttlOf('markInFlight', ttlMs)
       if (ttl === 0) return // nothing would outlive the lease: holding no marker is the safe side
-      await bounded('markInFlight', () => enqueue((redis, done) =>
-        redis[COMMAND.mark](keyOf(id), fingerprint.algorithm, fingerprint.digest, ttl, done)))
+      await bounded('markInFlight', (redis, done) =>
+        redis[COMMAND.mark](keyOf(id), fingerprint.algorithm, fingerprint.digest, ttl, done))
     },
 
     async clearInFlight (id) {
-      await bounded('clearInFlight', () => enqueue((redis, done) => redis[COMMAND.clear](keyOf(id), done)))
+      await bounded('clearInFlight', (redis, done) => redis[COMMAND.clear](keyOf(id), done))
     },
 
     async remember (id, fingerprint, response, ttlMs) {
       const ttl = ttlOf('remember', ttlMs)
       if (ttl === 0) return // the store's record is about to expire: a copy must not outlive it
       const retained = response.body !== null
-      await bounded('remember', () => enqueue((redis, done) => redis[COMMAND.remember](
+      await bounded('remember', (redis, done) => redis[COMMAND.remember](
         keyOf(id), fingerprint.algorithm, fingerprint.digest, response.statusCode,
-        JSON.stringify(response.headers), retained ? '1' : '0', response.body ?? EMPTY, ttl, done)))
+        JSON.stringify(response.headers), retained ? '1' : '0', response.body ?? EMPTY, ttl, done))
     },
 
     async close () {
       // The client is the user's: only our own deadlines stop, and waiting calls reject.
       closed = true
-      for (const settle of [...pending]) settle(new PrefilterClosedError('close'))
+      deadlines.drain((waiting) => {
+        stats.failures++
+        waiting.fail(new PrefilterClosedError('close'))
+      })
     }
   }
 }
 
 const EMPTY = Buffer.alloc(0)
+
+/** An operation waiting for its reply, in the deadline schedule. */
+interface Waiting extends Scheduled {
+  readonly operation: string
+  /** Rejects the operation's promise. */
+  readonly fail: (error: Error) => void
+}
 
 /**
  * Whole milliseconds, rounded down so a copy never outlives what it mirrors; 0 means "do not

@@ -296,15 +296,18 @@ function standaloneOnly (t: Test, client: Redis): void {
   t.test('a command that throws as it is queued fails alone, in its caller, with or without company in its turn', async (t) => {
     const { client: own, writes } = await countedClient(t)
     const enqueue = pipelining(own, true)
+    const send = <T>(command: Parameters<typeof enqueue<T>>[0]): Promise<T> => new Promise<T>((resolve, reject) => {
+      enqueue<T>(command, (error, reply) => { if (error !== null && error !== undefined) reject(error); else resolve(reply as T) })
+    })
     const refused = (): never => { throw new TypeError('refused argument') }
-    await t.rejects(enqueue(refused), { message: 'refused argument' }, 'alone in its turn')
+    await t.rejects(send(refused), { message: 'refused argument' }, 'alone in its turn')
     const key = `${newPrefix()}:k`
     await own.set(key, 'v')
     const before = writes()
     const [first, thrown, last] = await Promise.allSettled([
-      enqueue<Buffer | null>((redis, done) => (redis as unknown as Redis).getBuffer(key, done as Callback<Buffer | null>)),
-      enqueue(refused),
-      enqueue<Buffer | null>((redis, done) => (redis as unknown as Redis).getBuffer(key, done as Callback<Buffer | null>))
+      send<Buffer | null>((redis, done) => (redis as unknown as Redis).getBuffer(key, done as Callback<Buffer | null>)),
+      send(refused),
+      send<Buffer | null>((redis, done) => (redis as unknown as Redis).getBuffer(key, done as Callback<Buffer | null>))
     ])
     t.equal(writes() - before, 1, 'the two others still share one write')
     t.ok(first.status === 'fulfilled' && first.value?.toString() === 'v', 'the command before it: its own reply')
@@ -374,6 +377,46 @@ function standaloneOnly (t: Test, client: Redis): void {
     const late = pf.lookup({ scope: 's', key: 'late' })
     await t.rejects(late, { code: 'FST_IDEMPOTENCY_PREFILTER_TIMEOUT' })
     proxy.destroyAll()
+  })
+
+  t.test('close() settles the operations still waiting at once, and their late replies are dropped', async (t) => {
+    const proxy = await delayingProxy(client.options.port ?? 6379, client.options.host ?? '127.0.0.1')
+    const slow = new Redis({ host: '127.0.0.1', port: proxy.port, maxRetriesPerRequest: 0, retryStrategy: () => null })
+    slow.on('error', () => {})
+    t.teardown(async () => {
+      slow.disconnect()
+      await proxy.close()
+    })
+    await slow.ping()
+    const pf = redisPrefilter({ client: slow, prefix: newPrefix(), timeout: 2000 })
+    proxy.delay = 200
+    const waiting = [pf.lookup({ scope: 's', key: 'a' }), pf.remember({ scope: 's', key: 'b' }, A, RESPONSE, LONG)]
+    await sleep(20) // sent, not answered
+    const started = Date.now()
+    await pf.close()
+    const answers = await Promise.allSettled(waiting)
+    t.ok(Date.now() - started < 100, `settled ${Date.now() - started} ms after close(), not at the deadline`)
+    t.same(answers.map((answer) => answer.status === 'rejected' ? (answer.reason as { code?: string }).code : answer.status),
+      ['FST_IDEMPOTENCY_PREFILTER_CLOSED', 'FST_IDEMPOTENCY_PREFILTER_CLOSED'])
+    t.equal(pf.stats.failures, 2)
+    await sleep(300) // the replies arrive: nothing settles twice, nothing is counted twice
+    t.equal(pf.stats.failures, 2)
+  })
+
+  t.test('operations waiting together share one deadline timer, however many they are', async (t) => {
+    const { client: own } = await countedClient(t)
+    const pf = redisPrefilter({ client: own, prefix: newPrefix(), timeout: 2000 })
+    const original = globalThis.setTimeout
+    let timers = 0
+    globalThis.setTimeout = ((...args: Parameters<typeof setTimeout>) => { timers++; return original(...args) }) as typeof setTimeout
+    let hits: Array<unknown>
+    try {
+      hits = await Promise.all(Array.from({ length: 20 }, (_, i) => pf.lookup({ scope: 's', key: `k${i}` })))
+    } finally {
+      globalThis.setTimeout = original
+    }
+    t.same(hits, Array(20).fill(null))
+    t.ok(timers <= 1, `${timers} timer(s) armed for 20 operations`)
   })
 
   t.test('a stopped Redis: operations reject quickly', async (t) => {
