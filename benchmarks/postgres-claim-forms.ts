@@ -40,7 +40,7 @@ import { dirname } from 'node:path'
 import { fileURLToPath } from 'node:url'
 import { parseArgs } from 'node:util'
 import postgres from 'postgres'
-import { createStatements, type ClaimArgs } from '../drivers/postgres/statements.js'
+import { createStatements, later, RECORD_COLUMNS, type ClaimArgs } from '../drivers/postgres/statements.js'
 import { migrate } from '../drivers/postgres/schema.js'
 import { postgresJsClient } from '../drivers/postgres/postgres-js.js'
 import { measuredCpuSplitMs } from './measured-cpu.js'
@@ -61,14 +61,6 @@ await migrate(sql, { schema, table: 'records' })
 const table = `"${schema}".records`
 const statements = createStatements(postgresJsClient(sql), table)
 
-// The driver's record columns (statements.ts recordColumns), for the alternative forms.
-const msUntil = (column: string): string => `(extract(epoch FROM ${column}) - extract(epoch FROM now())) * 1000`
-const later = (n: number): string => `now() + $${n}::float8 * interval '1 millisecond'`
-const RECORD_COLUMNS = `state, fingerprint_algorithm, fingerprint, owner_token::text, expires_at <= now(),
-    lease_expires_at <= now() AND NOT indeterminate,
-    greatest(0, ceil(${msUntil('lease_expires_at')}))::float8,
-    response_status, response_headers, CASE WHEN expires_at > now() THEN response_body END,
-    greatest(0, floor(${msUntil('expires_at')}))::float8`
 const COLUMNS = '(scope, key, fingerprint, fingerprint_algorithm, state, owner_token, lease_expires_at, expires_at)'
 const upsertText = `
   INSERT INTO ${table} ${COLUMNS}

@@ -79,22 +79,25 @@ type ClaimColumns = [acquired: boolean, ...RecordColumns]
  * built from one. Where a parameter's type matters, the text casts it; the others (scope, key, the
  * fingerprint algorithm) take their column's type, text.
  */
-export function createStatements (db: Queryable, table: string): Statements {
-  /** now() plus the duration in ms bound as parameter $n. */
-  const later = (n: number): string => `now() + $${n}::float8 * interval '1 millisecond'`
-  // Milliseconds from now until a timestamp, as epochs: a held record's expires_at is 'infinity'
-  // (drivers/postgres/recovery.ts), and PostgreSQL refuses to subtract infinite timestamps.
-  const msUntil = (column: string): string => `(extract(epoch FROM ${column}) - extract(epoch FROM now())) * 1000`
-  // The record's columns as RecordColumns lists them. The lease's remaining time is computed by the
-  // database (0 once lapsed; ceil so that it is 0 exactly when lease_expires_at <= now()). The body
-  // of an expired record is not fetched: it is about to be replaced.
-  const recordColumns = `
+/** now() plus the duration in ms bound as parameter $n. */
+export const later = (n: number): string => `now() + $${n}::float8 * interval '1 millisecond'`
+// Milliseconds from now until a timestamp, as epochs: a held record's expires_at is 'infinity'
+// (drivers/postgres/recovery.ts), and PostgreSQL refuses to subtract infinite timestamps.
+const msUntil = (column: string): string => `(extract(epoch FROM ${column}) - extract(epoch FROM now())) * 1000`
+/**
+ * The record's columns as RecordColumns lists them (the claim and get statements; the alternatives
+ * in benchmarks/postgres-claim-forms.ts). The lease's remaining time is computed by the database (0
+ * once lapsed; ceil so that it is 0 exactly when lease_expires_at <= now()). The body of an expired
+ * record is not fetched: it is about to be replaced.
+ */
+export const RECORD_COLUMNS = `
     state, fingerprint_algorithm, fingerprint, owner_token::text, expires_at <= now(),
     lease_expires_at <= now() AND NOT indeterminate,
     greatest(0, ceil(${msUntil('lease_expires_at')}))::float8,
     response_status, response_headers, CASE WHEN expires_at > now() THEN response_body END,
     greatest(0, floor(${msUntil('expires_at')}))::float8`
 
+export function createStatements (db: Queryable, table: string): Statements {
   // claim, reclaim and takeover bind the same values (claimValues), in this order:
   // $1 scope, $2 key, $3 digest, $4 algorithm, $5 new token, $6 lease ms, $7 ttl ms, $8 seen token.
 
@@ -122,7 +125,7 @@ export function createStatements (db: Queryable, table: string): Statements {
     )
     SELECT acquired, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL FROM claimed
     UNION ALL
-    SELECT false, ${recordColumns}
+    SELECT false, ${RECORD_COLUMNS}
     FROM ${table}
     WHERE scope = $1 AND key = $2 AND NOT EXISTS (SELECT FROM claimed)
   `
@@ -183,7 +186,7 @@ export function createStatements (db: Queryable, table: string): Statements {
   `
 
   const getText = `
-    SELECT ${recordColumns}
+    SELECT ${RECORD_COLUMNS}
     FROM ${table}
     WHERE scope = $1 AND key = $2 AND expires_at > now()
   `

@@ -350,7 +350,8 @@ function standaloneOnly (t: Test, client: Redis): void {
     t.same(hits.map((hit) => hit?.state ?? null), [...Array(5).fill('completed'), ...Array(5).fill(null)])
   })
 
-  t.test('a Redis slower than timeout: every operation rejects in about timeout ms', async (t) => {
+  /** A client of its own behind a delaying proxy, connected before any delay is set. */
+  async function slowClient (t: Test): Promise<{ proxy: Awaited<ReturnType<typeof delayingProxy>>, slow: Redis }> {
     const proxy = await delayingProxy(client.options.port ?? 6379, client.options.host ?? '127.0.0.1')
     const slow = new Redis({ host: '127.0.0.1', port: proxy.port, maxRetriesPerRequest: 0, retryStrategy: () => null })
     slow.on('error', () => {})
@@ -358,7 +359,12 @@ function standaloneOnly (t: Test, client: Redis): void {
       slow.disconnect()
       await proxy.close()
     })
-    await slow.ping() // connected before the delay starts
+    await slow.ping()
+    return { proxy, slow }
+  }
+
+  t.test('a Redis slower than timeout: every operation rejects in about timeout ms', async (t) => {
+    const { proxy, slow } = await slowClient(t)
     const pf = redisPrefilter({ client: slow, prefix: newPrefix(), timeout: 50 })
     proxy.delay = 300
     const operations: Array<[string, () => Promise<unknown>]> = [
@@ -380,14 +386,7 @@ function standaloneOnly (t: Test, client: Redis): void {
   })
 
   t.test('close() settles the operations still waiting at once, and their late replies are dropped', async (t) => {
-    const proxy = await delayingProxy(client.options.port ?? 6379, client.options.host ?? '127.0.0.1')
-    const slow = new Redis({ host: '127.0.0.1', port: proxy.port, maxRetriesPerRequest: 0, retryStrategy: () => null })
-    slow.on('error', () => {})
-    t.teardown(async () => {
-      slow.disconnect()
-      await proxy.close()
-    })
-    await slow.ping()
+    const { proxy, slow } = await slowClient(t)
     const pf = redisPrefilter({ client: slow, prefix: newPrefix(), timeout: 2000 })
     proxy.delay = 200
     const waiting = [pf.lookup({ scope: 's', key: 'a' }), pf.remember({ scope: 's', key: 'b' }, A, RESPONSE, LONG)]
