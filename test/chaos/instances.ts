@@ -4,7 +4,7 @@ import { startFaultProxy, type FaultProxy } from '../helpers/fault-proxy.js'
 import { crashOf } from './crashes.js'
 import type { PgClient } from './database.js'
 import type { Crash, Incarnation } from './history.js'
-import { killChild, shutdownChild, startChild } from './processes.js'
+import { killChild, sendTo, shutdownChild, startChild } from './processes.js'
 import type { Random } from './random.js'
 
 /** What every app instance shares: where its database, Redis and provider are, and its timings. */
@@ -158,13 +158,8 @@ export class AppInstance {
 
   /** Moves the instance's wall clock (clock-skew.ts) without restarting it. */
   setSkew (skewMs: number): boolean {
-    if (!this.running || this.child === null) return false
+    if (!this.running || this.child === null || !sendTo(this.child, { type: 'clock-skew', ms: skewMs })) return false
     this.skewMs = skewMs
-    try {
-      this.child.send({ type: 'clock-skew', ms: skewMs })
-      return true
-    } catch {
-      return false
-    }
+    return true
   }
 }

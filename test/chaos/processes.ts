@@ -72,17 +72,30 @@ export function killChild (child: ChildProcess): Promise<void> {
   })
 }
 
+/**
+ * Sends `message` over the child's IPC channel; false when the channel is already closed. A child can
+ * die between that check and the write, which then fails asynchronously (EPIPE): without a callback
+ * Node emits it as an 'error' on the child, which nothing handles and which ended a chaos run as a
+ * harness failure. With one, a lost message is only lost; callers check its effect, not the send.
+ */
+export function sendTo (child: ChildProcess, message: object, lost: () => void = () => {}): boolean {
+  if (!child.connected) return false
+  try {
+    child.send(message, (error) => { if (error !== null) lost() })
+    return true
+  } catch {
+    return false
+  }
+}
+
 /** Asks the child to shut down gracefully (it closes its server, letting requests in flight finish). */
 export function shutdownChild (child: ChildProcess, timeoutMs = 8_000): Promise<void> {
   return new Promise((resolve) => {
     if (child.exitCode !== null || child.signalCode !== null) return resolve()
     const timer = setTimeout(() => { child.kill('SIGKILL') }, timeoutMs)
     child.once('exit', () => { clearTimeout(timer); resolve() })
-    try {
-      child.send({ type: 'shutdown' })
-    } catch {
-      child.kill('SIGKILL')
-    }
+    const kill = (): void => { child.kill('SIGKILL') }
+    if (!sendTo(child, { type: 'shutdown' }, kill)) kill()
   })
 }
 

@@ -3,7 +3,7 @@ import path from 'node:path'
 import { crashOf } from './crashes.js'
 import type { PgClient } from './database.js'
 import type { Crash } from './history.js'
-import { killChild, startChild } from './processes.js'
+import { killChild, sendTo, startChild } from './processes.js'
 import type { ReconcilerStats } from './reconciler.js'
 
 /**
@@ -69,7 +69,7 @@ export class ReconcilerHandle {
   /** From now on, a record counts as stuck `olderThanMs` after its lease ended. */
   setOlderThan (olderThanMs: number): void {
     this.olderThanMs = olderThanMs
-    try { this.child?.send({ type: 'older-than', ms: olderThanMs }) } catch {}
+    if (this.child !== null) sendTo(this.child, { type: 'older-than', ms: olderThanMs })
   }
 
   async stop (): Promise<void> {
