@@ -1,7 +1,9 @@
+import { PendingIndex } from './memory-pending.js'
+
 /**
  * The memory store's scopes: a map of scopes, each a bucket. A bucket holds the scope's records in
- * progress by key (JS objects: few at a time, and they carry tokens, leases and steps); its completed
- * records are rows of the table (memory-table.ts), which names the bucket by a number, its id, so
+ * progress by key (JS objects: few at a time, and they carry tokens, leases and steps; indexed by a
+ * PendingIndex); its completed records are rows of the table (memory-table.ts), which names the bucket by a number, its id, so
  * that a row holds no reference. A scope's key was once joined with its scope into one string
  * (`${scope.length}:${scope}${key}`): a string of its own per record, a rope of three that V8
  * flattened on every lookup. Scopes are few and shared.
@@ -14,8 +16,8 @@
 
 /** One scope's records and what they hold. */
 export class Bucket<E> {
-  /** Its records in progress, by key. */
-  readonly pending = new Map<string, E>()
+  /** Its records in progress, by key (not a Map: memory-pending.ts says why). */
+  readonly pending = new PendingIndex<E>()
   /** Its records, in progress and completed: what `maxEntriesPerScope` bounds. */
   records = 0
   /** Bytes the scope's records hold, counted as the store counts them against `maxBytesPerScope`. */
@@ -88,7 +90,7 @@ export class Buckets<E> {
     bucket.id = -1
   }
 
-  /** Every record in progress; deleting records meanwhile is safe (Map iteration skips what was deleted). */
+  /** Every record in progress; deleting records meanwhile is safe (PendingIndex.values says how). */
   * pending (): IterableIterator<E> {
     for (const bucket of this.#scopes.values()) yield * bucket.pending.values()
   }

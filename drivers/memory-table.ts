@@ -1,5 +1,9 @@
 import { randomBytes } from 'node:crypto'
 import { OWN_BUFFER_OVERHEAD, Slabs } from './memory-packing.js'
+import { freeSlot, NONE, slotOf, unindex } from './memory-slots.js'
+
+/** No record (an index slot, a link, a lookup's answer). */
+export { NONE }
 
 /**
  * The memory store's completed records, packed outside the JS heap (issue 14: a million completed
@@ -21,8 +25,6 @@ import { OWN_BUFFER_OVERHEAD, Slabs } from './memory-packing.js'
  *   records and nobody else's (memory-records.ts).
  */
 
-/** No record (an index slot, a link, a lookup's answer). */
-export const NONE = -1
 
 // A row's 32-bit fields, at id * INTS + field.
 const HASH = 0
@@ -171,7 +173,7 @@ export class CompletedTable {
     this.#times[id * TIMES + EXPIRES] = expiresAt
     this.#times[id * TIMES + CREATED] = createdAt
     this.#link(id, bucket)
-    this.#index[this.#freeSlot(hash)] = id
+    this.#index[freeSlot(this.#index, this.#mask, hash)] = id
     return id
   }
 
@@ -184,7 +186,7 @@ export class CompletedTable {
   delete (id: number): void {
     const ints = this.#ints
     const row = id * INTS
-    this.#unindex(id, ints[row + HASH] as number)
+    unindex(this.#index, this.#mask, id, ints[row + HASH] as number, ints, INTS, HASH)
     this.#unlink(id)
     this.#slabs.release(ints[row + SLAB] as number)
     const last = --this.#size
@@ -275,47 +277,6 @@ export class CompletedTable {
     return ((this.#ints[row + FLAGS] as number) & WIDE_KEY) === 0 ? length : length * 2
   }
 
-  /** The first free slot from `hash`'s home. */
-  #freeSlot (hash: number): number {
-    const index = this.#index
-    const mask = this.#mask
-    let slot = hash & mask
-    while (index[slot] !== NONE) slot = (slot + 1) & mask
-    return slot
-  }
-
-  /** The slot holding `id`, which is indexed. */
-  #slotOf (id: number, hash: number): number {
-    const index = this.#index
-    const mask = this.#mask
-    let slot = hash & mask
-    while (index[slot] !== id) slot = (slot + 1) & mask
-    return slot
-  }
-
-  /**
-   * Backward-shift deletion: the ids after the freed slot, up to the next free one, move back into
-   * it when their home is not between the two, so every id stays reachable from its home with no
-   * free slot on the way and no tombstone to skip.
-   */
-  #unindex (id: number, hash: number): void {
-    const index = this.#index
-    const ints = this.#ints
-    const mask = this.#mask
-    let hole = this.#slotOf(id, hash)
-    for (let slot = (hole + 1) & mask; ; slot = (slot + 1) & mask) {
-      const other = index[slot] as number
-      if (other === NONE) break
-      const home = (ints[other * INTS + HASH] as number) & mask
-      // Its distance from home, against the hole's distance: it may move back unless home is after the hole.
-      if (((slot - home) & mask) >= ((slot - hole) & mask)) {
-        index[hole] = other
-        hole = slot
-      }
-    }
-    index[hole] = NONE
-  }
-
   #link (id: number, bucket: number): void {
     if (bucket >= this.#heads.length) {
       const heads = new Int32Array(Math.max(bucket + 1, this.#heads.length * 2, 8)).fill(NONE)
@@ -343,7 +304,7 @@ export class CompletedTable {
   /** Moves row `from` into the unused row `to`, and whatever named `from` (its index slot, its neighbours) with it. */
   #move (from: number, to: number): void {
     const ints = this.#ints
-    this.#index[this.#slotOf(from, ints[from * INTS + HASH] as number)] = to
+    this.#index[slotOf(this.#index, this.#mask, from, ints[from * INTS + HASH] as number)] = to
     ints.copyWithin(to * INTS, from * INTS, from * INTS + INTS)
     this.#times.copyWithin(to * TIMES, from * TIMES, from * TIMES + TIMES)
     const row = to * INTS
@@ -368,7 +329,7 @@ export class CompletedTable {
     while (slots < capacity * 2) slots *= 2
     this.#index = new Int32Array(slots).fill(NONE)
     this.#mask = slots - 1
-    for (let id = 0; id < this.#size; id++) this.#index[this.#freeSlot(ints[id * INTS + HASH] as number)] = id
+    for (let id = 0; id < this.#size; id++) this.#index[freeSlot(this.#index, this.#mask, ints[id * INTS + HASH] as number)] = id
   }
 }
 
