@@ -68,8 +68,9 @@ export class MemoryStoreFullError extends Error {
 }
 
 /**
- * A record in progress: a JS object in its bucket's map (few at a time, and each carries a token,
- * a lease, steps). Once completed, a record is a row of the table (memory-table.ts) instead.
+ * A record in progress: a JS object in its bucket's index (memory-pending.ts; few at a time, and
+ * each carries a token, a lease, steps). Once completed, a record is a row of the table
+ * (memory-table.ts) instead.
  */
 interface Pending {
   /** The scope's bucket (its scope, and what the scope holds). */
@@ -432,7 +433,7 @@ export function memoryStore (options: MemoryStoreOptions = {}): MemoryStore {
     const algorithm = algorithms.intern(entry.fingerprint.algorithm)
     const id = table.insert(bucket.id, entry.key, entry.fingerprint.digest, response, headers.id, algorithm,
       entry.indeterminate, entry.createdAt, at + ttlMs, ttlMs)
-    // From the bucket's map to the table: the scope holds as many records as before. Its steps go.
+    // From the bucket's index to the table: the scope holds as many records as before. Its steps go.
     bucket.pending.delete(entry.key)
     count(bucket, completedBytes(id) - entry.bytes)
     return true
