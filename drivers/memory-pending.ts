@@ -9,10 +9,11 @@ import { hashKey } from './memory-table.js'
  * request. A `Map` that churns like this rehashes its table every few operations (to drop deleted
  * entries, or to shrink), and V8 allocates the new table in the old generation once the map itself
  * lives there: about 150 bytes of old-generation garbage per request, measured with a young
- * generation large enough that nothing was promoted. At 17,000 fresh keys a second that was a full
- * mark-compact every second (5–12 ms pauses, up to 8 ms incremental steps), where bare Fastify had
- * none (docs/benchmarks.md, "Where the time goes"). Here the entries sit in arrays that are written
- * in place: adding and removing allocate nothing until the arrays grow or shrink.
+ * generation large enough that nothing was promoted. At 17,000 fresh keys a second that was some
+ * 2.5 MB a second for full mark-compacts to collect (5–12 ms pauses each, about every second, where
+ * bare Fastify ran none; docs/benchmarks.md, "The memory store's tail"). Here the entries sit in
+ * arrays that are written in place: adding and removing allocate nothing until the arrays grow or
+ * shrink.
  *
  * - Dense: removing an entry moves the last one into its place, so a walk needs no holes to skip.
  * - The index is open addressing over positions (memory-slots.ts, as the table's), by the table's
@@ -123,8 +124,6 @@ export class PendingIndex<E> {
     const keys = new Array<string>(capacity).fill('')
     const entries = new Array<E | undefined>(capacity).fill(undefined)
     const hashes = new Int32Array(capacity)
-    // A loop, not TypedArray#subarray: a scope's first record builds an index, and subarray's
-    // species lookup alone cost more than the rest of that.
     for (let at = 0; at < size; at++) {
       keys[at] = this.#keys[at] as string
       entries[at] = this.#entries[at]

@@ -43,8 +43,8 @@ t.test('answers as a Map does, over random sets, deletes and gets (growing and s
     const index = new PendingIndex<{ value: number }>()
     const model = new Map<string, { value: number }>()
     for (const op of operations) {
-      // Keys as the store gets them: strings of their own, not the same string object.
-      const key = `key-${op.key}`.slice(0)
+      // A new string each time, as the store gets keys: equal by content, not the same object.
+      const key = `key-${op.key}`
       if (op.kind === 'set') {
         const entry = { value: op.value }
         index.set(key, entry)
