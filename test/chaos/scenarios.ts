@@ -78,13 +78,13 @@ export async function runScenario (scenario: Scenario, op: Operation, client: Sc
         sleep(jitter(400, 600)).then(() => client.untilAnswered(op, { avoid: first, maxAttempts: 1 }))
       ])
       break
-    case 'steps-force':
+    case 'steps-force': {
       // Between the two steps (once the first is recorded), the operator force-releases the key.
+      const owner = await firstStepRecorded(op, client, first)
       await Promise.all([
-        client.attempt(op, { instance: first }),
+        owner?.attempt,
         (async () => {
-          // A first attempt that a fault stopped before its first step gets nothing done to it.
-          if (await client.untilStepRecorded(op, 'reserve', 2_500)) {
+          if (owner !== null) {
             await sleep(jitter(50, 200))
             await client.forceRelease(op)
           }
@@ -92,24 +92,45 @@ export async function runScenario (scenario: Scenario, op: Operation, client: Sc
         })()
       ])
       break
-    case 'steps-partition':
+    }
+    case 'steps-partition': {
       // Between the two steps, the owner's instance is cut from the database beyond its lease, and
       // a retry on another instance takes the key over; the old owner's second step comes after.
+      const owner = await firstStepRecorded(op, client, first)
+      if (owner === null) break
       await Promise.all([
-        client.attempt(op, { instance: first }),
-        (async () => {
-          if (!await client.untilStepRecorded(op, 'reserve', 2_500)) return
-          await Promise.all([
-            client.partition(first, op, 650),
-            sleep(jitter(420, 480)).then(() => client.untilAnswered(op, { avoid: first }))
-          ])
-        })()
+        owner.attempt,
+        client.partition(first, op, 650),
+        sleep(jitter(420, 480)).then(() => client.untilAnswered(op, { avoid: first }))
       ])
       break
+    }
     case 'held':
       // The first attempt fails (500) and holds the key; retries get 409 until the reconciler completes it.
       await client.attempt(op, { instance: first })
       break
   }
   await client.untilAnswered(op, {})
+}
+
+/** Attempts of a steps scenario's first owner: one, and two more if faults stop the first ones early. */
+const OWNER_ATTEMPTS = 3
+
+/**
+ * The steps scenarios' first owner: an attempt on `first`, still running, with its first step
+ * recorded (the operator's view), which is where the scenario intervenes; null if there was none.
+ * (Wrapped: an async function that returned the attempt itself would wait for it to end.) An attempt
+ * that a fault stopped before that step (a 503 from a store cut off, a reset, a timeout) leaves
+ * nothing to intervene in, and a quick run has about a dozen of these operations to cross its
+ * boundaries with: so the client tries again, as any client would after a 5xx or a dropped
+ * connection, while `first` runs and no answer other than a 5xx came.
+ */
+async function firstStepRecorded (op: Operation, client: ScenarioClient, first: AppInstance): Promise<{ attempt: Promise<AttemptOutcome> } | null> {
+  for (let tries = 0; tries < OWNER_ATTEMPTS && first.running; tries++) {
+    const attempt = client.attempt(op, { instance: first })
+    if (await client.untilStepRecorded(op, 'reserve', 2_500)) return { attempt }
+    const outcome = await attempt
+    if (outcome.kind === 'response' && outcome.status < 500) return null
+  }
+  return null
 }
