@@ -3,10 +3,10 @@ import { PendingIndex } from './memory-pending.js'
 /**
  * The memory store's scopes: a map of scopes, each a bucket. A bucket holds the scope's records in
  * progress by key (JS objects: few at a time, and they carry tokens, leases and steps; indexed by a
- * PendingIndex); its completed records are rows of the table (memory-table.ts), which names the bucket by a number, its id, so
- * that a row holds no reference. A scope's key was once joined with its scope into one string
- * (`${scope.length}:${scope}${key}`): a string of its own per record, a rope of three that V8
- * flattened on every lookup. Scopes are few and shared.
+ * PendingIndex); its completed records are rows of the table (memory-table.ts), which names the
+ * bucket by a number, its id, so that a row holds no reference. A scope's key was once joined with
+ * its scope into one string (`${scope.length}:${scope}${key}`): a string of its own per record, a
+ * rope of three that V8 flattened on every lookup. Scopes are few and shared.
  *
  * A scope's bucket also carries what the scope holds (its records and bytes), so the store can bound
  * each scope to its share (issue 16: one tenant must not fill the store for every tenant) with a

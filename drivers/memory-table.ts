@@ -18,13 +18,12 @@ export { NONE }
  *   no holes to skip and no free list, and the table shrinks (memory goes back, as the store's
  *   accounting test requires) once a quarter full, at any time. Ids are held within one synchronous
  *   call only, except by a walk from the top row down (a sweep in slices): see `delete`.
- * - The index is open addressing over ids (linear probing; backward-shift deletion, so no tombstones
- *   pile up), by a hash of (bucket id, key) seeded per table: keys chosen to collide in one process
+ * - The index is open addressing over ids (memory-slots.ts: linear probing, backward-shift deletion,
+ *   so no tombstones pile up), by a hash of (bucket id, key) seeded per table: keys chosen to collide in one process
  *   do not collide in another.
  * - Each bucket's records are linked through their rows, so a scope at its share scans its own
  *   records and nobody else's (memory-records.ts).
  */
-
 
 // A row's 32-bit fields, at id * INTS + field.
 const HASH = 0
