@@ -140,10 +140,28 @@ function portIsFree (port) {
   })
 }
 
-/** Three consecutive ports (and their cluster-bus ports, +10000) that are free, all < 55536. */
+/**
+ * The lowest port Linux hands out to outgoing connections (ip_local_port_range; 32768 by default).
+ * A port in that range can be taken by any client's connection between our check and the server's
+ * bind: a cluster node once failed on its bus port that way (CI, Node 22: "Address already in use").
+ */
+function ephemeralLow () {
+  try {
+    const low = Number(readFileSync('/proc/sys/net/ipv4/ip_local_port_range', 'utf8').trim().split(/\s+/)[0])
+    if (Number.isInteger(low) && low > 22000) return low
+  } catch {}
+  return 32768
+}
+
+/**
+ * Three consecutive free ports, and their cluster-bus ports (+10000) free too, all below the
+ * ephemeral range (ephemeralLow), so that no outgoing connection takes one meanwhile.
+ */
 async function freeClusterPorts () {
+  const first = 12000
+  const last = ephemeralLow() - 10000 - 3
   for (let attempt = 0; attempt < 50; attempt++) {
-    const base = 20000 + Math.floor(Math.random() * 20000)
+    const base = first + Math.floor(Math.random() * (last - first))
     const ports = [base, base + 1, base + 2]
     let ok = true
     for (const p of ports) {
@@ -151,7 +169,7 @@ async function freeClusterPorts () {
     }
     if (ok) return ports
   }
-  throw new Error('could not find 3 free consecutive ports (+ bus ports) in 20000-40000 for Redis Cluster')
+  throw new Error(`could not find 3 free consecutive ports (+ bus ports) in ${first}-${last} for Redis Cluster`)
 }
 
 // ---------------------------------------------------------------------------
@@ -331,15 +349,27 @@ async function startRedis (bin, cli, stack) {
 async function startRedisCluster (bin, cli, stack) {
   const root = makeTempDir('idem-rcluster-')
   stack.push({ kind: 'dir', dir: root })
-  const ports = await freeClusterPorts()
-  for (const port of ports) {
-    const dir = path.join(root, String(port))
-    mkdirSync(dir, { recursive: true })
-    await startRedisNode(bin, cli, stack, {
-      port,
-      dir,
-      extra: ['--cluster-enabled', 'yes', '--cluster-config-file', path.join(dir, 'nodes.conf'), '--cluster-node-timeout', '5000']
-    })
+  let ports
+  for (let attempt = 1; ; attempt++) {
+    ports = await freeClusterPorts()
+    const started = stack.length
+    try {
+      for (const port of ports) {
+        const dir = path.join(root, String(port))
+        mkdirSync(dir, { recursive: true })
+        await startRedisNode(bin, cli, stack, {
+          port,
+          dir,
+          extra: ['--cluster-enabled', 'yes', '--cluster-config-file', path.join(dir, 'nodes.conf'), '--cluster-node-timeout', '5000']
+        })
+      }
+      break
+    } catch (err) {
+      // A port taken between the check and the bind: stop this attempt's nodes, try other ports.
+      if (attempt >= 3) throw err
+      log(`a Redis Cluster node failed on ports ${ports.join(', ')} (attempt ${attempt}), retrying on others`)
+      while (stack.length > started) stopEntry(stack.pop())
+    }
   }
   const addrs = ports.map((p) => `127.0.0.1:${p}`)
   const create = await run(cli, ['--cluster', 'create', ...addrs, '--cluster-replicas', '0', '--cluster-yes'], { timeout: 60_000 })

@@ -562,7 +562,17 @@ t.test('planted bugs: each old behaviour (issue 12, cases 1-5) is reported as th
 // Once, on postgres.js: this plant is the handler's provider key, and lease mode's charge goes
 // through no SQL of the app's, so the client changes nothing of what it tests.
 t.test('planted bug provider-key-per-attempt: a re-run with a fresh provider key charges twice', async (t) => {
-  const { code, output, report } = await runChaos(['--quick', '--duration=15', `--seed=${seed}`, '--plant=provider-key-per-attempt'], 90_000)
+  const plant = (runSeed: number): Promise<ChaosRun> => runChaos(['--quick', '--duration=15', `--seed=${runSeed}`, '--plant=provider-key-per-attempt'], 90_000)
+  let run = await plant(seed)
+  // The plant charges twice only when a charged attempt is re-run, which a provider reply dropped
+  // after the charge is what causes. A run in which that fault never took effect (CI, Node 22: 0 of
+  // 2, in a run where most attempts met a store that was down) had nothing to show: one run with
+  // the next seed then decides. A run in which it took effect gets no second chance.
+  if (run.code !== 1 && run.report !== null && run.report.violations.length === 0 && run.report.faultsMissing.includes('provider-drop-reply')) {
+    t.comment(`seed ${seed}: no provider reply was dropped, so the plant could not show; running seed ${seed + 1}`)
+    run = await plant(seed + 1)
+  }
+  const { code, output, report } = run
   t.equal(code, 1, 'the quick run reports violations', { output: output.slice(-4_000) })
   t.ok(report?.violations.some((v) => v.kind === 'duplicate-effect'), 'duplicate-effect')
 })
