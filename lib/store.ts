@@ -190,7 +190,9 @@ export interface IdempotencyStore {
    * - the transaction handle refuses to run anything once it has ended;
    * - `renew` has nothing to do (the open transaction holds the record; a crash rolls it back).
    * A concurrent claim of the same key blocks up to `waitMs` on the uncommitted record, then
-   * reports it in progress. On any outcome but `acquired`, no transaction is left open.
+   * reports it in progress (a driver that cannot tell that wait from a momentary lock may try once
+   * more, as the postgres driver does; the plugin's `storeTimeout` bounds the whole claim). On any
+   * outcome but `acquired`, no transaction is left open.
    */
   claimInTransaction? (request: ClaimRequest & { readonly waitMs: number }): Promise<ClaimResult>
 

@@ -20,6 +20,10 @@ import { createStatements, type Statements } from './statements.js'
 type Decision = { readonly response: StoredResponse, readonly ttlMs: number } | null
 
 interface OpenTransaction {
+  readonly scope: string
+  readonly key: string
+  /** Whether its claim has acquired the key (until then, it may be waiting on another's). */
+  holdsKey: boolean
   /** Hands the decision to the pending transaction; resolves when it has committed or rolled back. */
   decide (decision: Decision): Promise<void>
 }
@@ -31,18 +35,23 @@ const ROLLBACK = Symbol('rollback')
 const LOCK_TIMEOUT = '55P03'
 
 /**
- * A claim whose lock wait timed out is tried once more, in a transaction of its own, before it is
- * answered as in progress. lock_timeout bounds every lock the claim waits on, not only another
- * attempt's uncommitted row, and PostgreSQL does not say which one it was: the table's extension
- * lock, held for a moment by a concurrent insert that adds a page (a freshly emptied table under
- * concurrent claims, a busy machine), or a DDL statement's lock queued on the table. A duplicate
- * in flight is still there a moment later and times out again; a wait on anything else has almost
- * always passed, and that claim then runs instead of getting a 409 for a key nobody holds.
- * Only a bound shorter than such a moment needs it (without `wait`, the bound is 1 ms): a longer
- * one already outlasts it, and retrying there would make a duplicate wait twice its `wait`.
+ * lock_timeout bounds every lock the claim waits on, not only another attempt's uncommitted row,
+ * and PostgreSQL does not say which one it was: the table's (or an index's) extension lock, held by
+ * a concurrent insert while it adds a page (for as long as that insert takes to find a buffer,
+ * which on a busy machine can mean writing out a dirty one and flushing WAL first), or a DDL
+ * statement's lock queued on the table. So a timed-out claim is not taken for a duplicate on that
+ * word alone:
+ * - When a transaction of this store holds the key, it is one: answered at once.
+ * - Otherwise, when the bound is shorter than MOMENTARY_LOCK_MS (without `wait` it is 1 ms), the
+ *   claim is tried once more, in a new transaction bounded by MOMENTARY_LOCK_MS. A duplicate in
+ *   flight elsewhere is still there then (or has committed, and is replayed); a momentary lock has
+ *   gone. A second try with the same 1 ms bound was not enough: a CI run answered 409 to 2 of 30
+ *   fresh keys on a busy machine, each claim having timed out twice on a lock nobody kept.
+ * A longer bound already outlasts such a moment, and is not tried again.
  */
 const LOCK_TIMEOUT_RETRIES = 1
 const MOMENTARY_LOCK_MS = 100
+const RETRY_LOCK_TIMEOUT = lockTimeoutStatement(MOMENTARY_LOCK_MS)
 
 const MAX_CLAIM_ROUNDS = 10
 
@@ -80,11 +89,24 @@ export function createTransactions (db: DatabaseClient, table: string): Transact
     rejectClaim: (err: unknown) => void
   ): void {
     const token = randomUUID()
-    let acquired = false
     /** The body returned with a recorded response: the client sends COMMIT from here on. */
     let commitSent = false
     let decide!: (decision: Decision) => void
     const decided = new Promise<Decision>((resolve) => { decide = resolve })
+    const transaction: OpenTransaction = {
+      scope: request.scope,
+      key: request.key,
+      holdsKey: false,
+      decide (decision) {
+        decide(decision)
+        return finished.then(() => {}, (err: unknown) => {
+          // A rollback that was asked for: whatever ROLLBACK itself answered, a transaction whose
+          // connection failed is rolled back by the server.
+          if (decision === null) return
+          throw commitError(err, commitSent, db)
+        })
+      }
+    }
 
     unfinished++
     // On a dropped connection nothing more is sent, not even the ROLLBACK (dropped-connection.ts).
@@ -96,7 +118,7 @@ export function createTransactions (db: DatabaseClient, table: string): Transact
         throw ROLLBACK
       }
       const guard = tx.guarded()
-      acquired = true
+      transaction.holdsKey = true
       resolveClaim({ ...outcome, transaction: guard.handle })
       const decision = await decided
       guard.end()
@@ -111,35 +133,36 @@ export function createTransactions (db: DatabaseClient, table: string): Transact
       if (!recorded) throw new RolledBackError('the transaction no longer held its record, so it was rolled back')
     }, { commitSent: () => { commitSent = true }, prelude: setLockTimeout })
 
-    open.set(token, {
-      decide (decision) {
-        decide(decision)
-        return finished.then(() => {}, (err: unknown) => {
-          // A rollback that was asked for: whatever ROLLBACK itself answered, a transaction whose
-          // connection failed is rolled back by the server.
-          if (decision === null) return
-          throw commitError(err, commitSent, db)
-        })
-      }
-    })
+    open.set(token, transaction)
     finished.then(
       () => { open.delete(token); unfinished-- },
       (err: unknown) => {
         open.delete(token)
         unfinished--
-        if (acquired || err === ROLLBACK) return
+        if (transaction.holdsKey || err === ROLLBACK) return
         if ((err as { code?: unknown } | null)?.code !== LOCK_TIMEOUT) {
           rejectClaim(err)
-        } else if (retriesLeft > 0) {
-          attempt(request, setLockTimeout, retriesLeft - 1, resolveClaim, rejectClaim)
+        } else if (retriesLeft > 0 && !heldHere(request)) {
+          attempt(request, RETRY_LOCK_TIMEOUT, retriesLeft - 1, resolveClaim, rejectClaim)
         } else {
-          // Blocked for `waitMs` (twice, if short): on an uncommitted claim of the same key, in progress. Its
-          // fingerprint is invisible until it commits, so this one cannot tell 409 from 422;
-          // a retry after the original commits gets the precise answer.
+          // Blocked on an uncommitted claim of the same key (this store's, or still there after
+          // the longer try): in progress. Its fingerprint is invisible until it commits, so this
+          // one cannot tell 409 from 422; a retry after the original commits gets the precise answer.
           resolveClaim({ outcome: 'in_progress', fingerprint: request.fingerprint, leaseRemainingMs: 0 })
         }
       }
     )
+  }
+
+  /**
+   * Whether one of this store's transactions holds the key. A scan, on the lock-timeout path only:
+   * the map holds one entry per transaction in flight, no more than the pool's connections.
+   */
+  function heldHere (request: ClaimRequest): boolean {
+    for (const transaction of open.values()) {
+      if (transaction.holdsKey && transaction.key === request.key && transaction.scope === request.scope) return true
+    }
+    return false
   }
 
   async function settle (lease: Lease, decision: Decision): Promise<boolean> {
@@ -227,4 +250,3 @@ function lockTimeoutStatement (waitMs: number): string {
   // 0 would mean "wait forever" to PostgreSQL; the setting is an int4 of milliseconds.
   return `set local lock_timeout = ${Math.min(2_147_483_647, Math.max(1, Math.ceil(waitMs)))}`
 }
-
