@@ -6,7 +6,9 @@
  * Environment: SETUP (one of SETUPS below); for the Postgres setups DATABASE_URL, BENCH_SCHEMA (the
  * schema benchmarks/schema.ts created: tables `records`, `floor_records`, `payments`) and
  * BENCH_POOL_MAX (10); pg-redis and peer-redis also need REDIS_URL. BENCH_PAYLOAD: the response's
- * size in bytes (200, or more: the payment padded, benchmarks/route.ts).
+ * size in bytes (200, or more: the payment padded, benchmarks/route.ts). BENCH_TTL (memory only):
+ * records expire after that many ms and are swept every 200 ms, so that the store stops growing
+ * (benchmarks/page-faults.ts); without it they are kept for the default day.
  *
  * Every setup answers POST /pay, validated by the same JSON schema (benchmarks/route.ts), with the
  * same JSON payment (201). GET /stats (never protected) returns how many times the operation
@@ -161,7 +163,9 @@ const SETUPS: Record<string, () => Promise<void>> = {
     // A 1 MiB run records a few thousand responses (GBs): past the default 768 MiB budget, a full
     // store refuses new keys with 503 (by design), which is not what the scenario measures. The
     // peer's memory adapter has no budget at all.
-    await app.register(idempotency, { store: memoryStore({ maxBytes: 16 * 1024 ** 3 }), scope: () => SCOPE })
+    const ttl = process.env.BENCH_TTL === undefined ? {} : { ttl: Number(process.env.BENCH_TTL) }
+    const sweep = process.env.BENCH_TTL === undefined ? {} : { purgeInterval: 200 }
+    await app.register(idempotency, { store: memoryStore({ maxBytes: 16 * 1024 ** 3, ...sweep }), scope: () => SCOPE, ...ttl })
     route(pay)
   },
 
