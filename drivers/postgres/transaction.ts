@@ -46,7 +46,8 @@ const LOCK_TIMEOUT = '55P03'
  *   claim is tried once more, in a new transaction bounded by MOMENTARY_LOCK_MS. A duplicate in
  *   flight elsewhere is still there then (or has committed, and is replayed); a momentary lock has
  *   gone. A second try with the same 1 ms bound was not enough: a CI run answered 409 to 2 of 30
- *   fresh keys on a busy machine, each claim having timed out twice on a lock nobody kept.
+ *   fresh keys on a busy machine, each claim having timed out twice on a lock that was not a
+ *   duplicate's.
  * A longer bound already outlasts such a moment, and is not tried again.
  */
 const LOCK_TIMEOUT_RETRIES = 1

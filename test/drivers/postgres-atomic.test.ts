@@ -111,6 +111,32 @@ function suite (url: string): void {
     return { app, store, runs: () => runs }
   }
 
+  /**
+   * Holds an ACCESS EXCLUSIVE lock on the records table until `release`: as a DDL statement's lock
+   * (or the extension lock a concurrent insert holds while it adds a page) would, lock_timeout
+   * fires on it as on a duplicate's uncommitted row.
+   */
+  async function lockRecordsTable (t: Test): Promise<{ release: () => Promise<void> }> {
+    const released = deferred()
+    const locked = deferred()
+    const locker = admin.begin(async (tx) => {
+      await tx`LOCK TABLE ${tx(schema)}.records IN ACCESS EXCLUSIVE MODE`
+      locked.resolve()
+      await released.promise
+    })
+    t.teardown(() => released.resolve())
+    await locked.promise
+    return { release: async () => { released.resolve(); await locker } }
+  }
+
+  /** What a claim that waited on lockRecordsTable's lock must end with: it ran, once, and recorded. */
+  async function ranOnceAfterTheLock (t: Test, w: World, response: { statusCode: number }, key: string): Promise<void> {
+    t.equal(response.statusCode, 201, 'the claim ran once the lock was gone')
+    t.equal(w.runs(), 1)
+    t.equal(await payments(key), 1)
+    t.same(await records(key), ['completed'])
+  }
+
   const pay = (app: FastifyInstance, key: string, body: object) =>
     app.inject({ method: 'POST', url: '/pay', headers: keyed(key), payload: body })
 
@@ -201,17 +227,7 @@ function suite (url: string): void {
   t.test('a claim whose lock wait timed out on something other than a duplicate (a table lock held for a moment) is tried again, and runs: no 409 for a key nobody holds', async (t) => {
     // wait 90 ms: under the 100 ms below which a timed-out wait is tried once more (transaction.ts)
     const w = await world(t, { wait: 90 })
-    const release = deferred()
-    const locked = deferred()
-    // A DDL statement's lock on the records table (or the extension lock a concurrent insert holds
-    // while it adds a page): lock_timeout fires on it as on a duplicate's uncommitted row.
-    const locker = admin.begin(async (tx) => {
-      await tx`LOCK TABLE ${tx(schema)}.records IN ACCESS EXCLUSIVE MODE`
-      locked.resolve()
-      await release.promise
-    })
-    t.teardown(() => release.resolve())
-    await locked.promise
+    const lock = await lockRecordsTable(t)
     const answer = pay(w.app, 'k-lock', { amount: 1 })
     const waiting = async (): Promise<boolean> => (await admin`
       SELECT 1 FROM pg_locks WHERE relation = ${`"${schema}".records`}::regclass AND NOT granted`).length > 0
@@ -219,37 +235,19 @@ function suite (url: string): void {
     t.ok(await waiting(), 'the claim waits on the table lock')
     // Longer than `wait`: the first attempt has timed out; the lock goes while the second waits.
     await sleep(100)
-    release.resolve()
-    await locker
-    const response = await answer
-    t.equal(response.statusCode, 201, 'the claim ran once the lock was gone')
-    t.equal(w.runs(), 1)
-    t.equal(await payments('k-lock'), 1)
-    t.same(await records('k-lock'), ['completed'])
+    await lock.release()
+    await ranOnceAfterTheLock(t, w, await answer, 'k-lock')
   })
 
   t.test('without wait, a claim that meets a lock held for a moment elsewhere (here 40 ms) runs: tried again with a longer bound, not answered 409', async (t) => {
     // Seen in CI: a busy machine held a lock (the table's extension lock, presumably) past two
     // 1 ms bounds, and 2 of 30 fresh keys got 409. The second try is bounded by 100 ms.
     const w = await world(t)
-    const release = deferred()
-    const locked = deferred()
-    const locker = admin.begin(async (tx) => {
-      await tx`LOCK TABLE ${tx(schema)}.records IN ACCESS EXCLUSIVE MODE`
-      locked.resolve()
-      await release.promise
-    })
-    t.teardown(() => release.resolve())
-    await locked.promise
+    const lock = await lockRecordsTable(t)
     const answer = pay(w.app, 'k-moment', { amount: 1 })
     await sleep(40)
-    release.resolve()
-    await locker
-    const response = await answer
-    t.equal(response.statusCode, 201, 'the claim ran once the lock was gone')
-    t.equal(w.runs(), 1)
-    t.equal(await payments('k-moment'), 1)
-    t.same(await records('k-moment'), ['completed'])
+    await lock.release()
+    await ranOnceAfterTheLock(t, w, await answer, 'k-moment')
   })
 
   t.test('without wait, a duplicate of an original held by another instance is tried again with the longer bound: the original commits within it, and the duplicate replays', async (t) => {
