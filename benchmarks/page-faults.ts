@@ -110,21 +110,17 @@ async function measure (setup: typeof SETUPS[number], round: number): Promise<Me
   }
 }
 
-PIN.moveServices()
+// No PostgreSQL or Redis here: only the server processes are placed (PIN.measured).
 const measurements: Measurement[] = []
 const problems: string[] = []
-try {
-  for (let round = 1; round <= ROUNDS; round++) {
-    for (const setup of SETUPS) {
-      const m = await measure(setup, round)
-      measurements.push(m)
-      log(`round ${round} ${m.setup}: ${Math.round(m.reqPerSec)} req/s, ${m.faultsPerRequest.toFixed(2)} minor page faults per request ${JSON.stringify(m.statusCodes)}`)
-      const other = Object.keys(m.statusCodes).filter((code) => code !== '201')
-      if (other.length > 0 || m.requests === 0) problems.push(`${m.setup} in round ${round} answered ${JSON.stringify(m.statusCodes)}`)
-    }
+for (let round = 1; round <= ROUNDS; round++) {
+  for (const setup of SETUPS) {
+    const m = await measure(setup, round)
+    measurements.push(m)
+    log(`round ${round} ${m.setup}: ${Math.round(m.reqPerSec)} req/s, ${m.faultsPerRequest.toFixed(2)} minor page faults per request ${JSON.stringify(m.statusCodes)}`)
+    const other = Object.keys(m.statusCodes).filter((code) => code !== '201')
+    if (other.length > 0 || m.requests === 0) problems.push(`${m.setup} in round ${round} answered ${JSON.stringify(m.statusCodes)}`)
   }
-} finally {
-  PIN.restore()
 }
 
 const ofRound = (setup: SetupName, round: number): Measurement => measurements.find((m) => m.setup === setup && m.round === round)!
