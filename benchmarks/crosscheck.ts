@@ -29,12 +29,12 @@ import { randomBytes } from 'node:crypto'
 import { existsSync, mkdirSync, readdirSync, readFileSync, writeFileSync } from 'node:fs'
 import os from 'node:os'
 import path from 'node:path'
-import { createInterface } from 'node:readline'
 import { fileURLToPath } from 'node:url'
 import { parseArgs } from 'node:util'
 import postgres from 'postgres'
 import { median, RATIOS, ratioName, ratioWithRounds, setupsOf, slicedRatio, type RatioPair, type SliceFigures } from './ratios.js'
 import { BODY } from './route.js'
+import { startBenchServer, type BenchServer } from './server-process.js'
 import { benchServices } from './services.js'
 import { pinning } from './pinning.js'
 import { cpuUsPerRequest, measuredCpuMs, perCpuRatio } from './measured-cpu.js'
@@ -118,24 +118,13 @@ const REDIS_URL = services.redisUrl
 const SCHEMA = `cross_${randomBytes(4).toString('hex')}`
 const admin = postgres(DATABASE_URL, { max: 1, onnotice: () => {} })
 
-/** A benchmark server (server.ts) for `setup`; resolves once it listens, with its URL and a stop. */
-function serve (setup: string): Promise<{ url: string, pid: number, stop: () => Promise<void> }> {
-  const [command, argv] = PIN.measured(process.execPath, ['--import', 'tsx', path.join(ROOT, 'benchmarks', 'server.ts')])
-  const child = spawn(command, argv, {
-    cwd: ROOT,
-    env: { ...process.env, SETUP: setup, DATABASE_URL, REDIS_URL, BENCH_SCHEMA: SCHEMA, BENCH_POOL_MAX: '10', BENCH_PAYLOAD: '200' },
-    stdio: ['ignore', 'pipe', 'inherit']
-  })
-  children.add(child)
-  const exit = new Promise<void>((resolve) => child.once('exit', () => { children.delete(child); resolve() }))
-  return new Promise((resolve, reject) => {
-    child.once('exit', (code) => reject(new Error(`server ${setup} exited (${code}) before listening`)))
-    createInterface({ input: child.stdout! }).on('line', (line) => {
-      const port = /^\{"port":(\d+)\}$/.exec(line)?.[1]
-      if (port === undefined) return
-      // taskset (--pin) execs the server, so the child's pid is the server's
-      resolve({ url: `http://127.0.0.1:${port}`, pid: child.pid!, stop: async () => { child.kill('SIGTERM'); await exit } })
-    })
+/** A benchmark server (server.ts) for `setup`; resolves once it listens. */
+function serve (setup: string): Promise<BenchServer> {
+  return startBenchServer({
+    pin: PIN,
+    env: { SETUP: setup, DATABASE_URL, REDIS_URL, BENCH_SCHEMA: SCHEMA, BENCH_POOL_MAX: '10', BENCH_PAYLOAD: '200' },
+    label: setup,
+    running: children
   })
 }
 
@@ -184,7 +173,7 @@ async function completeReplayKeys (url: string, tag: string): Promise<void> {
   }
 }
 
-type Server = Awaited<ReturnType<typeof serve>>
+type Server = BenchServer
 
 /** One setup's measurement in progress: warmed up, then loaded slice by slice (interleaved with the other setups'). */
 interface Measuring { scenario: Mode, setup: string, server: Server, tag: string, connections: number, initial: number, before: number, runs: WrkRun[], sliceCpuMs: Array<number | null> }

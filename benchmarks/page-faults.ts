@@ -16,19 +16,17 @@
  * curve") has the figures. Pinned as run.ts pins (benchmarks/pinning.ts), except with --quick.
  * Writes benchmarks/results/page-faults.json (page-faults.quick.json with --quick).
  */
-import { spawn } from 'node:child_process'
 import { readFileSync, writeFileSync } from 'node:fs'
 import path from 'node:path'
-import { createInterface } from 'node:readline'
 import { fileURLToPath } from 'node:url'
 import { parseArgs } from 'node:util'
 import autocannon from 'autocannon'
 import { pinning } from './pinning.js'
 import { median } from './ratios.js'
 import { BODY } from './route.js'
+import { startBenchServer } from './server-process.js'
 
 const ROOT = fileURLToPath(new URL('..', import.meta.url))
-const SERVER = path.join(ROOT, 'benchmarks', 'server.ts')
 const { values: args } = parseArgs({ options: { quick: { type: 'boolean', default: false }, rounds: { type: 'string' }, out: { type: 'string' } } })
 const QUICK = args.quick === true
 const ROUNDS = QUICK ? 1 : Number(args.rounds ?? 3)
@@ -83,30 +81,16 @@ function load (url: string, seconds: number): Promise<autocannon.Result> {
 }
 
 async function measure (setup: typeof SETUPS[number], round: number): Promise<Measurement> {
-  const [command, argv] = PIN.measured(process.execPath, ['--import', 'tsx', SERVER])
-  const child = spawn(command, argv, { cwd: ROOT, env: { ...process.env, ...setup.env, BENCH_PAYLOAD: String(PAYLOAD) }, stdio: ['ignore', 'pipe', 'inherit'] })
-  const exited = new Promise<number | null>((resolve) => child.once('exit', resolve))
+  const server = await startBenchServer({ pin: PIN, env: { ...setup.env, BENCH_PAYLOAD: String(PAYLOAD) }, label: setup.name })
   try {
-    const port = await new Promise<number>((resolve, reject) => {
-      createInterface({ input: child.stdout! }).on('line', (line) => {
-        try {
-          const port = (JSON.parse(line) as { port?: unknown }).port
-          if (typeof port === 'number') resolve(port)
-        } catch {} // not the port line
-      })
-      void exited.then((code) => reject(new Error(`server ${setup.name} exited (${code}) before listening`)))
-    })
-    const url = `http://127.0.0.1:${port}`
-    await load(url, WARMUP_SECONDS)
-    // taskset execs the server: the child's pid is the server's.
-    const before = minorFaults(child.pid!)
-    const result = await load(url, SECONDS)
-    const faults = minorFaults(child.pid!) - before
+    await load(server.url, WARMUP_SECONDS)
+    const before = minorFaults(server.pid)
+    const result = await load(server.url, SECONDS)
+    const faults = minorFaults(server.pid) - before
     const statusCodes = Object.fromEntries(Object.entries(result.statusCodeStats ?? {}).map(([code, stats]) => [code, (stats as { count: number }).count]))
     return { setup: setup.name, round, requests: result.requests.total, reqPerSec: result.requests.total / SECONDS, faultsPerRequest: faults / result.requests.total, statusCodes }
   } finally {
-    child.kill('SIGTERM')
-    await exited
+    await server.stop()
   }
 }
 

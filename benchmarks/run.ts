@@ -26,12 +26,11 @@
  * Extending it: a setup is a name in summary.ts's SETUPS plus an entry in server.ts's SETUPS; a
  * scenario is an entry in SCENARIOS (its setups, its floors, its request stream, what it checks).
  */
-import { spawn, type ChildProcess } from 'node:child_process'
+import type { ChildProcess } from 'node:child_process'
 import { randomBytes } from 'node:crypto'
 import { mkdirSync, readFileSync, writeFileSync } from 'node:fs'
 import os from 'node:os'
 import path from 'node:path'
-import { createInterface } from 'node:readline'
 import { fileURLToPath } from 'node:url'
 import { parseArgs } from 'node:util'
 import autocannon from 'autocannon'
@@ -39,6 +38,7 @@ import postgres from 'postgres'
 import { chart } from './chart.js'
 import { median, RATIOS, ratioName, ratioWithRounds } from './ratios.js'
 import { BODY } from './route.js'
+import { startBenchServer } from './server-process.js'
 import { benchServices } from './services.js'
 import { cpuMsSince, pinning } from './pinning.js'
 import { cpuUsPerRequest, measuredCpuSplitMs, type CpuSplit } from './measured-cpu.js'
@@ -47,7 +47,6 @@ import { addRatios, SETUPS, summarise, table, type Counts, type Latency, type Pe
 import { evaluateTargets, targetsTable } from './targets.js'
 
 const ROOT = fileURLToPath(new URL('..', import.meta.url))
-const SERVER = path.join(ROOT, 'benchmarks', 'server.ts')
 
 const { values: args } = parseArgs({
   options: {
@@ -298,35 +297,13 @@ const admin = postgres(DATABASE_URL, { max: 2, onnotice: () => {} })
 interface Instance { setup: Setup, url: string, pid: number, stop: () => Promise<void> }
 
 async function startServer (setup: Setup, payload: number): Promise<Instance> {
-  const [command, argv] = PIN.measured(process.execPath, ['--import', 'tsx', SERVER])
-  const child = spawn(command, argv, {
-    cwd: ROOT,
-    env: { ...process.env, SETUP: setup, DATABASE_URL, REDIS_URL, BENCH_SCHEMA: SCHEMA, BENCH_POOL_MAX: String(CONFIG.poolMax), BENCH_PAYLOAD: String(payload) },
-    stdio: ['ignore', 'pipe', 'inherit']
+  const server = await startBenchServer({
+    pin: PIN,
+    env: { SETUP: setup, DATABASE_URL, REDIS_URL, BENCH_SCHEMA: SCHEMA, BENCH_POOL_MAX: String(CONFIG.poolMax), BENCH_PAYLOAD: String(payload) },
+    label: setup,
+    running: servers
   })
-  servers.add(child)
-  const exited = new Promise<number | null>((resolve) => child.once('exit', (code) => { servers.delete(child); resolve(code) }))
-  const port = await new Promise<number>((resolve, reject) => {
-    const timer = setTimeout(() => reject(new Error(`server ${setup} did not listen within 30 s`)), 30_000)
-    createInterface({ input: child.stdout! }).on('line', (line) => {
-      let port: unknown
-      try { port = (JSON.parse(line) as { port?: unknown }).port } catch { return } // not the port line
-      if (typeof port === 'number') { clearTimeout(timer); resolve(port) }
-    })
-    void exited.then((code) => { clearTimeout(timer); reject(new Error(`server ${setup} exited (${code}) before listening`)) })
-  })
-  return {
-    setup,
-    url: `http://127.0.0.1:${port}`,
-    pid: child.pid!,
-    async stop () {
-      child.kill('SIGTERM')
-      const timer = setTimeout(() => child.kill('SIGKILL'), 5_000)
-      const code = await exited
-      clearTimeout(timer)
-      if (code !== 0) throw new Error(`server ${setup} exited with ${code} on SIGTERM`)
-    }
-  }
+  return { setup, url: server.url, pid: server.pid, stop: server.stop }
 }
 
 /** A load of `seconds`, or of exactly `amount` requests (autocannon: amount overrides duration). */
