@@ -7,6 +7,7 @@ import type { TransactionSql } from 'postgres'
 
 export { postgresStore, type PostgresStore } from './store.js'
 export { migrate } from './schema.js'
+export { LOCK_TIMEOUT_CHANNEL, type LockTimeoutEvent } from './transaction.js'
 export type {
   BackgroundTask, NodePostgresPoolLike, PostgresClient, PostgresStoreOptions, TableOptions
 } from './options.js'

@@ -1,4 +1,5 @@
 import { randomUUID } from 'node:crypto'
+import diagnostics from 'node:diagnostics_channel'
 import { RolledBackError } from '../../lib/errors.js'
 import { fingerprintsEqual } from '../../lib/fingerprint.js'
 import type { ClaimRequest, ClaimResult, Lease, StoredResponse } from '../../lib/store.js'
@@ -56,6 +57,27 @@ const RETRY_LOCK_TIMEOUT = lockTimeoutStatement(MOMENTARY_LOCK_MS)
 
 const MAX_CLAIM_ROUNDS = 10
 
+/** What the diagnostics channel `fastify-idempotency:lock-timeout` publishes, once per timed-out claim. */
+export interface LockTimeoutEvent {
+  readonly scope: string
+  readonly key: string
+  /** The bound that fired, ms: the route's `wait` (at least 1) on a first try, MOMENTARY_LOCK_MS on the second. */
+  readonly boundMs: number
+  /** `retry`: tried once more; `in_progress`: answered 409 (held by this store, or still held after the longer try). */
+  readonly then: 'retry' | 'in_progress'
+  /** Whether a transaction of this store held the key (a duplicate here, answered without a second try). */
+  readonly heldHere: boolean
+}
+
+/**
+ * Atomic mode's lock waits, as an operational signal (docs/observability.md): a claim that timed
+ * out, and what came of it. Many `retry` events mean claims wait on locks that are not duplicates'
+ * (extension locks of a busy table, DDL); many `in_progress` ones, duplicates arriving while their
+ * original still runs. Published only on the timeout path, and only built when someone subscribes.
+ */
+export const LOCK_TIMEOUT_CHANNEL = 'fastify-idempotency:lock-timeout'
+const lockTimeouts = diagnostics.channel(LOCK_TIMEOUT_CHANNEL)
+
 export interface Transactions {
   claimInTransaction (request: ClaimRequest & { readonly waitMs: number }): Promise<ClaimResult>
   /** True while `token` owns an open transaction of this store. */
@@ -78,13 +100,14 @@ export function createTransactions (db: DatabaseClient, table: string): Transact
     return new Promise<ClaimResult>((resolveClaim, rejectClaim) => {
       // Thrown here, an invalid waitMs rejects the claim.
       const setLockTimeout = lockTimeoutStatement(request.waitMs)
-      attempt(request, setLockTimeout, request.waitMs < MOMENTARY_LOCK_MS ? LOCK_TIMEOUT_RETRIES : 0, resolveClaim, rejectClaim)
+      attempt(request, setLockTimeout, request.waitMs, request.waitMs < MOMENTARY_LOCK_MS ? LOCK_TIMEOUT_RETRIES : 0, resolveClaim, rejectClaim)
     })
   }
 
   function attempt (
     request: ClaimRequest & { readonly waitMs: number },
     setLockTimeout: string,
+    boundMs: number,
     retriesLeft: number,
     resolveClaim: (result: ClaimResult) => void,
     rejectClaim: (err: unknown) => void
@@ -141,10 +164,15 @@ export function createTransactions (db: DatabaseClient, table: string): Transact
         open.delete(token)
         unfinished--
         if (transaction.holdsKey || err === ROLLBACK) return
-        if ((err as { code?: unknown } | null)?.code !== LOCK_TIMEOUT) {
-          rejectClaim(err)
-        } else if (retriesLeft > 0 && !heldHere(request)) {
-          attempt(request, RETRY_LOCK_TIMEOUT, retriesLeft - 1, resolveClaim, rejectClaim)
+        if ((err as { code?: unknown } | null)?.code !== LOCK_TIMEOUT) return rejectClaim(err)
+        const held = heldHere(request)
+        const retry = retriesLeft > 0 && !held
+        if (lockTimeouts.hasSubscribers) {
+          const event: LockTimeoutEvent = { scope: request.scope, key: request.key, boundMs: Math.max(1, Math.ceil(boundMs)), then: retry ? 'retry' : 'in_progress', heldHere: held }
+          lockTimeouts.publish(event)
+        }
+        if (retry) {
+          attempt(request, RETRY_LOCK_TIMEOUT, MOMENTARY_LOCK_MS, retriesLeft - 1, resolveClaim, rejectClaim)
         } else {
           // Blocked on an uncommitted claim of the same key (this store's, or still there after
           // the longer try): in progress. Its fingerprint is invisible until it commits, so this

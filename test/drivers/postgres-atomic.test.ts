@@ -2,13 +2,14 @@ import { spawn } from 'node:child_process'
 import { randomBytes } from 'node:crypto'
 import http from 'node:http'
 import type { AddressInfo } from 'node:net'
+import diagnostics from 'node:diagnostics_channel'
 import { createInterface } from 'node:readline'
 import { fileURLToPath } from 'node:url'
 import Fastify, { type FastifyInstance } from 'fastify'
 import postgres from 'postgres'
 import t, { type Test } from 'tap'
 import idempotency, { InvalidOptionError, memoryStore, type IdempotencyOptions } from '../../lib/index.js'
-import { postgresStore, type PostgresStore } from '../../drivers/postgres/index.js'
+import { LOCK_TIMEOUT_CHANNEL, postgresStore, type LockTimeoutEvent, type PostgresStore } from '../../drivers/postgres/index.js'
 import { CLIENT, endPools, exec, poolLike, storeConnection } from '../helpers/postgres-clients.js'
 import { everySlotFree, settledCounts } from '../helpers/pool-accounting.js'
 
@@ -137,6 +138,15 @@ function suite (url: string): void {
     t.same(await records(key), ['completed'])
   }
 
+  /** The lock-timeout events published for `key` while the test runs (transaction.ts). */
+  function lockTimeoutsOf (t: Test, key: string): LockTimeoutEvent[] {
+    const seen: LockTimeoutEvent[] = []
+    const listener = (message: unknown): void => { if ((message as LockTimeoutEvent).key === key) seen.push(message as LockTimeoutEvent) }
+    diagnostics.subscribe(LOCK_TIMEOUT_CHANNEL, listener)
+    t.teardown(() => { diagnostics.unsubscribe(LOCK_TIMEOUT_CHANNEL, listener) })
+    return seen
+  }
+
   const pay = (app: FastifyInstance, key: string, body: object) =>
     app.inject({ method: 'POST', url: '/pay', headers: keyed(key), payload: body })
 
@@ -227,6 +237,7 @@ function suite (url: string): void {
   t.test('a claim whose lock wait timed out on something other than a duplicate (a table lock held for a moment) is tried again, and runs: no 409 for a key nobody holds', async (t) => {
     // wait 90 ms: under the 100 ms below which a timed-out wait is tried once more (transaction.ts)
     const w = await world(t, { wait: 90 })
+    const timeouts = lockTimeoutsOf(t, 'k-lock')
     const lock = await lockRecordsTable(t)
     const answer = pay(w.app, 'k-lock', { amount: 1 })
     const waiting = async (): Promise<boolean> => (await admin`
@@ -237,17 +248,21 @@ function suite (url: string): void {
     await sleep(100)
     await lock.release()
     await ranOnceAfterTheLock(t, w, await answer, 'k-lock')
+    t.match(timeouts, [{ scope: 'test', key: 'k-lock', boundMs: 90, then: 'retry', heldHere: false }], 'the timeout was published once, as retried')
+    t.equal(timeouts.length, 1)
   })
 
   t.test('without wait, a claim that meets a lock held for a moment elsewhere (here 40 ms) runs: tried again with a longer bound, not answered 409', async (t) => {
     // Seen in CI: a busy machine held a lock (the table's extension lock, presumably) past two
     // 1 ms bounds, and 2 of 30 fresh keys got 409. The second try is bounded by 100 ms.
     const w = await world(t)
+    const timeouts = lockTimeoutsOf(t, 'k-moment')
     const lock = await lockRecordsTable(t)
     const answer = pay(w.app, 'k-moment', { amount: 1 })
     await sleep(40)
     await lock.release()
     await ranOnceAfterTheLock(t, w, await answer, 'k-moment')
+    t.same(timeouts.map((e) => [e.boundMs, e.then, e.heldHere]), [[1, 'retry', false]], 'one timeout, of the 1 ms bound, tried again')
   })
 
   t.test('without wait, a duplicate of an original held by another instance is tried again with the longer bound: the original commits within it, and the duplicate replays', async (t) => {
@@ -255,6 +270,7 @@ function suite (url: string): void {
     const entered = deferred()
     const a = await world(t, {}, async () => { entered.resolve(); await gate.promise })
     const b = await world(t)
+    const timeouts = lockTimeoutsOf(t, 'k-elsewhere')
     const original = pay(a.app, 'k-elsewhere', { amount: 5 })
     await entered.promise
     const duplicate = pay(b.app, 'k-elsewhere', { amount: 5 })
@@ -266,12 +282,14 @@ function suite (url: string): void {
     t.equal(answer.headers['idempotent-replayed'], 'true')
     t.equal(a.runs() + b.runs(), 1, 'ran once')
     t.equal(await payments('k-elsewhere'), 1)
+    t.same(timeouts.map((e) => [e.boundMs, e.then, e.heldHere]), [[1, 'retry', false]], 'the first try timed out and was tried again; the second did not time out')
   })
 
   t.test('without wait, a duplicate of an original this instance holds is answered 409 at once: no second try with the longer bound', async (t) => {
     const gate = deferred()
     const entered = deferred()
     const w = await world(t, {}, async () => { entered.resolve(); await gate.promise })
+    const timeouts = lockTimeoutsOf(t, 'k-here')
     const original = pay(w.app, 'k-here', { amount: 5 })
     await entered.promise
     let answered = false
@@ -286,6 +304,7 @@ function suite (url: string): void {
     t.equal(answer.statusCode, 409)
     t.ok(answeredBeforeCommit, 'answered while the original was still in flight')
     t.equal(w.runs(), 1)
+    t.same(timeouts.map((e) => [e.boundMs, e.then, e.heldHere]), [[1, 'in_progress', true]], 'published as held here, answered 409')
   })
 
   t.test('a client that goes away rolls the transaction back; the handler cannot write afterwards', async (t) => {
