@@ -10,7 +10,8 @@
  *                          derived from (scope, key), so a re-run after a takeover replays it
  *   POST /scenarios/...    the lease-boundary situations (scenario-routes.ts): lease mode with a
  *                          300 ms lease (and some a 1 s ttl), slow handlers, slow streams, two steps
- *                          with a pause between them, an indeterminate failure after a step
+ *                          with a pause between them, an indeterminate failure after a step; and
+ *                          atomic mode without `wait`, a handler holding its transaction a while
  *   GET  /health           { instance, now }: `now` is the instance's (possibly skewed) clock
  *
  * Every route answers 201 { mode, scope, key, amount, ref } (a stream adds a padding member): the
@@ -25,12 +26,13 @@
  * listening; `{ type: 'shutdown' }` closes it gracefully; it exits when the channel closes.
  */
 import { randomUUID } from 'node:crypto'
+import diagnostics from 'node:diagnostics_channel'
 import type { AddressInfo } from 'node:net'
 import { Readable } from 'node:stream'
 import Fastify, { type FastifyReply, type FastifyRequest } from 'fastify'
 import { Cluster, Redis } from 'ioredis'
 import idempotency, { type IdempotencyContext } from '../../lib/index.js'
-import { postgresStore } from '../../drivers/postgres/index.js'
+import { LOCK_TIMEOUT_CHANNEL, postgresStore, type LockTimeoutEvent } from '../../drivers/postgres/index.js'
 import { redisPrefilter } from '../../drivers/redis/index.js'
 import { exec } from '../helpers/postgres-clients.js'
 import { openDatabase, pgClientFromEnv, type PgClient } from './database.js'
@@ -47,6 +49,8 @@ interface Settings {
   readonly client: PgClient
   /** `standalone:redis://host:port` or `cluster:host:port,host:port,...` */
   readonly redis: string
+  /** False on the store-only instance (CHAOS_PREFILTER=off): its duplicates reach the store, none answered from Redis. */
+  readonly prefilter: boolean
   readonly providerPort: number
   readonly leaseMs: number
   readonly waitMs: number
@@ -75,6 +79,7 @@ function settingsFromEnv (env: NodeJS.ProcessEnv): Settings {
     databaseUrl: need('CHAOS_DATABASE_URL'),
     client: pgClientFromEnv(env.CHAOS_PG_CLIENT),
     redis: need('CHAOS_REDIS'),
+    prefilter: env.CHAOS_PREFILTER !== 'off',
     providerPort: Number(need('CHAOS_PROVIDER_PORT')),
     leaseMs: Number(env.CHAOS_LEASE_MS ?? '3000'),
     waitMs: Number(env.CHAOS_WAIT_MS ?? '250'),
@@ -139,9 +144,16 @@ if (settings.plant === 'stream-stops-renewal') {
   })
 }
 
+// Every claim whose lock wait timed out (atomic mode), and whether it was tried again: the
+// atomic-duplicate scenario's boundaries (executions.ts).
+diagnostics.subscribe(LOCK_TIMEOUT_CHANNEL, (message) => {
+  const event = message as LockTimeoutEvent
+  log({ ev: 'lock-timeout', scope: event.scope, key: event.key, boundMs: event.boundMs, then: event.then, heldHere: event.heldHere })
+})
+
 await app.register(idempotency, {
   store,
-  prefilter: redisPrefilter({ client: redis, prefix: 'chaos', timeout: 50 }),
+  ...(settings.prefilter ? { prefilter: redisPrefilter({ client: redis, prefix: 'chaos', timeout: 50 }) } : {}),
   scope: (request: FastifyRequest) => request.headers['x-account'] as string,
   required: true,
   lease: settings.leaseMs,
@@ -175,8 +187,13 @@ type Handler = (request: FastifyRequest<{ Body: PaymentRequest }>, reply: Fastif
  * A route whose every execution leaves evidence: its start (with the route's lease and ttl), its
  * end and how, the client leaving before its answer finished, the response closing.
  */
-function route (path: string, name: string, options: { leaseMs: number, ttlMs: number, transaction?: boolean }, handler: Handler): void {
-  const idempotencyConfig = { lease: options.leaseMs, ttl: options.ttlMs, ...(options.transaction === true ? { transaction: true } : {}) }
+function route (path: string, name: string, options: { leaseMs: number, ttlMs: number, transaction?: boolean, waitMs?: number }, handler: Handler): void {
+  const idempotencyConfig = {
+    lease: options.leaseMs,
+    ttl: options.ttlMs,
+    ...(options.transaction === true ? { transaction: true } : {}),
+    ...(options.waitMs === undefined ? {} : { wait: options.waitMs })
+  }
   app.post<{ Body: PaymentRequest }>(path, {
     schema: { body: path.startsWith('/scenarios/') ? scenarioBodySchema : bodySchema },
     config: { idempotency: idempotencyConfig }
@@ -300,6 +317,17 @@ route(SCENARIO_ROUTES.held.path, 'held', scenarioOptions('held'), async (request
   idem.markIndeterminate()
   log({ ev: 'mark-indeterminate', req: request.id })
   throw new Error('chaos: the bank\'s answer after the charge was ambiguous (indeterminate failure)')
+})
+
+// The atomic-duplicate scenario: the same ledger write, then the transaction held `delayMs` while
+// duplicates arrive; the route has no `wait`, so their claims' lock waits are bounded by 1 ms.
+route(SCENARIO_ROUTES['atomic-duplicate'].path, 'atomic-duplicate', { ...scenarioOptions('atomic-duplicate'), transaction: true, waitMs: SCENARIO_ROUTES['atomic-duplicate'].waitMs }, async (request, reply, idem) => {
+  const tx = idem.sql
+  if (tx === undefined) throw new Error('not in atomic mode')
+  const ref = randomUUID()
+  await exec(tx, 'INSERT INTO ledger (id, scope, key, amount) VALUES ($1, $2, $3, $4)', [ref, idem.scope, idem.key, request.body.amount])
+  await sleep(request.body.delayMs ?? 0)
+  return reply.code(201).send({ mode: 'atomic', scope: idem.scope, key: idem.key, amount: request.body.amount, ref })
 })
 
 app.get('/health', async () => ({ instance: settings.instance, now: Date.now() }))

@@ -10,6 +10,9 @@ import { recordId, type Attempt, type Effect, type History, type Operation, type
  * - answers consistent: every 2xx for a key is byte-identical (draft §2.6, the replay is the
  *   recorded response), names that key's own scope, key and amount, and the effect that happened;
  * - a key reused with a different body is refused with 422 and never executed (draft §2.4);
+ * - 409 only while the key is in flight: an attempt answered 409 when no other attempt of its key
+ *   had started before its answer came (conflict-without-original) met a conflict nobody caused:
+ *   in atomic mode, a claim whose lock wait timed out on a lock that was not a duplicate's;
  * - no record stays in progress once the faults stopped and the leases ran out;
  * - no process of the system dies on its own, unless a known defect outside the plugin explains it.
  *
@@ -52,6 +55,7 @@ export type ViolationKind =
   | 'cross-scope-answer'
   | 'double-execution'
   | 'unexpected-status'
+  | 'conflict-without-original'
   | 'reuse-accepted'
   | 'reuse-not-refused'
   | 'stuck-in-progress'
@@ -146,6 +150,9 @@ export function check (history: History): CheckResult {
       outcomes[label] = (outcomes[label] ?? 0) + 1
       if (outcome.kind !== 'response') continue
       const status = outcome.status
+      if (status === 409 && !attempts.some((other) => other !== attempt && other.startedAt <= attempt.endedAt)) {
+        flag('conflict-without-original', op, `${attempt.reuse ? 'the reused key' : 'the operation'} got 409 on instance ${attempt.instance} at ${fmt(attempt.startedAt)}–${fmt(attempt.endedAt)}, when no other attempt of the key had started: ${outcome.body}`)
+      }
       if (attempt.reuse) {
         if (status >= 200 && status < 300) flag('reuse-accepted', op, `the reused key with amount ${op.reuseAmount ?? '?'} got ${status}: ${outcome.body}`)
         else if (status === 422) reuseRefused = true

@@ -40,6 +40,12 @@ export interface WorkloadHooks {
   readonly forceRelease: (scope: string, key: string) => Promise<boolean>
   /** The names of the steps recorded on the key's in-progress record (`store.inspect`), or null. */
   readonly recordedSteps: (scope: string, key: string) => Promise<string[] | null>
+  /**
+   * Locks the records table for `holdMs` when it can be taken within 10 ms (a lock queued behind a
+   * long transaction would block every claim for as long: DDL during traffic, not a moment's lock).
+   * Resolves once it holds the lock (true) or gave up (false); it is released `holdMs` later.
+   */
+  readonly lockRecordsTable: (holdMs: number) => Promise<{ taken: boolean, released: Promise<void> }>
 }
 
 interface OperationState {
@@ -87,8 +93,9 @@ export class Workload {
     // The last scenario starts early enough to reach its boundary before the faults stop.
     const scenariosUntil = untilMs - 3_000
     // steps-partition twice a turn: a third of its partitions meet an owner that a fault already
-    // took out (a failed claim, a kill), and each takes only one boundary with it.
-    const rotation = this.settings.scenarios.flatMap((scenario) => scenario === 'steps-partition' ? [scenario, scenario] : [scenario])
+    // took out (a failed claim, a kill), and each takes only one boundary with it. atomic-duplicate
+    // twice too: it needs the one instance without a pre-filter, which faults take down at times.
+    const rotation = this.settings.scenarios.flatMap((scenario) => scenario === 'steps-partition' || scenario === 'atomic-duplicate' ? [scenario, scenario] : [scenario])
     while (this.now() < untilMs) {
       while (rotation.length > 0 && this.now() < scenariosUntil && this.now() - startedAt >= scenariosStarted * this.settings.scenarioIntervalMs) {
         const scenario = rotation[scenariosStarted % rotation.length] as Scenario
@@ -197,7 +204,7 @@ export class Workload {
       id: this.operations.length,
       scope,
       key,
-      mode: 'lease',
+      mode: SCENARIO_ROUTES[scenario].mode,
       amount: draw.int(100, 99_999),
       reuseAmount: null,
       scenario
@@ -234,6 +241,14 @@ export class Workload {
           effective = await this.hooks.forceRelease(target.scope, target.key)
         } catch {}
         this.interventions.push({ kind: 'force-release', scope: target.scope, key: target.key, from, to: this.now(), instance: null, effective })
+      },
+      lockRecordsTable: async (target, holdMs) => {
+        const from = this.now()
+        const lock = await this.hooks.lockRecordsTable(holdMs)
+        void lock.released.then(() => {
+          this.interventions.push({ kind: 'table-lock', scope: target.scope, key: target.key, from, to: this.now(), instance: null, effective: lock.taken })
+        })
+        return lock.taken
       },
       partition: async (instance, target, ms) => {
         const from = this.now()

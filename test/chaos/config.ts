@@ -79,9 +79,9 @@ export function parseArgs (argv: readonly string[]): ChaosConfig {
   }
   // Full mode: 12,000 operations over the run (at 300 s, 40 a second), at most 60 a second.
   const ratePerSecond = targeted !== null ? 0 : quick ? 20 : Math.min(60, Math.max(40, Math.ceil(12_000 / durationS)))
-  // At 300 s, one scenario operation every 360 ms: about 90 of each scenario (180 of steps-partition),
-  // for 50 crossings of each boundary with a margin.
-  const scenarioIntervalMs = targeted !== null ? 500 : quick ? 700 : 360
+  // At 300 s, one scenario operation every 300 ms: about 90 of each scenario (180 of steps-partition
+  // and of atomic-duplicate, twice a turn), for 50 crossings of each boundary with a margin.
+  const scenarioIntervalMs = targeted !== null ? 500 : quick ? 700 : 300
   const scenarios = targeted ?? SCENARIOS
   const minCrossings = Object.fromEntries(BOUNDARIES.map((boundary) => {
     const reached = BOUNDARY_SCENARIOS[boundary].some((scenario) => scenarios.includes(scenario))

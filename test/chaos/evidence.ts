@@ -11,7 +11,8 @@ import type { IdempotencyStore, Lease } from '../../lib/store.js'
  * complete, release, hold, loadSteps, saveStep), with its start, end and result; each execution of
  * a handler (start, end, how it ended); each step `fn` actually run, and each step refused with
  * LeaseLostError; a client disconnect seen by the handler; a streamed body's start and end; the
- * reconciler's decisions. The checker (executions.ts) rebuilds the executions of every key from it.
+ * reconciler's decisions; an atomic claim whose lock wait timed out. The checker (executions.ts)
+ * rebuilds the executions of every key from it.
  *
  * Times are wall-clock milliseconds from `performance.timeOrigin + performance.now()`, which the
  * clock-skew preload does not move (it replaces Date only), so every process's lines share the
@@ -87,7 +88,21 @@ export type StallLine = Origin & { readonly ev: 'stall', readonly end: number }
 /** What a planted bug did at the store behind the plugin's back (for the key's history). */
 export type PlantLine = Origin & { readonly ev: 'plant', readonly scope: string, readonly key: string, readonly what: string }
 
-export type EvidenceLine = StoreCallLine | ClaimLine | ExecStartLine | RequestLine | ResolveLine | PlantLine | StallLine
+/**
+ * An atomic-mode claim whose lock wait timed out (the driver's `fastify-idempotency:lock-timeout`
+ * channel): tried again with the longer bound (`retry`) or answered 409 (`in_progress`), and
+ * whether a transaction of the same instance held the key.
+ */
+export type LockTimeoutLine = Origin & {
+  readonly ev: 'lock-timeout'
+  readonly scope: string
+  readonly key: string
+  readonly boundMs: number
+  readonly then: 'retry' | 'in_progress'
+  readonly heldHere: boolean
+}
+
+export type EvidenceLine = StoreCallLine | ClaimLine | ExecStartLine | RequestLine | ResolveLine | PlantLine | StallLine | LockTimeoutLine
 
 export type EvidenceEvent = EvidenceLine extends infer L ? L extends EvidenceLine ? Omit<L, 't' | 'pid' | 'instance'> : never : never
 

@@ -25,7 +25,13 @@ export const BOUNDARIES = [
   /** A retry took over a key whose owner was still running but cut from the database. */
   'partitioned-owner-taken-over',
   /** An owner called step() after another execution had taken its key over or it was force-released. */
-  'step-after-takeover'
+  'step-after-takeover',
+  /** An atomic claim's lock wait timed out on a key a transaction of the same instance held: answered 409 without a second try. */
+  'lock-timeout-held-here',
+  /** An atomic claim's 1 ms lock wait timed out on a key no transaction of its instance held: tried again with the 100 ms bound. */
+  'lock-timeout-tried-again',
+  /** Of those, a second try that acquired the key: the lock was not a duplicate's (the table locked for a moment). */
+  'lock-timeout-not-a-duplicate'
 ] as const
 export type Boundary = typeof BOUNDARIES[number]
 
@@ -36,7 +42,10 @@ export const BOUNDARY_SCENARIOS: Readonly<Record<Boundary, readonly Scenario[]>>
   'handler-outlived-ttl': ['slow-ttl'],
   'held-past-ttl': ['held'],
   'partitioned-owner-taken-over': ['steps-partition'],
-  'step-after-takeover': ['steps-force', 'steps-partition']
+  'step-after-takeover': ['steps-force', 'steps-partition'],
+  'lock-timeout-held-here': ['atomic-duplicate'],
+  'lock-timeout-tried-again': ['atomic-duplicate'],
+  'lock-timeout-not-a-duplicate': ['atomic-duplicate']
 }
 
 export type ExecutionViolationKind =
@@ -102,6 +111,8 @@ export interface ExecutionStats {
   readonly stepsRefused: number
   /** Of those, steps whose fn ran on a proven key and whose record reached the store after the lease ran out (fencedThenTooSlow). */
   readonly stepsRefusedAfterFence: number
+  /** What the claims that timed out at 1 ms and were tried again answered (their claim line's outcome). */
+  readonly secondTries: Readonly<Record<ClaimLine['outcome'] | 'unmatched', number>>
   readonly boundaries: Readonly<Record<Boundary, number>>
 }
 
@@ -140,7 +151,7 @@ export function rebuildExecutions (history: History): Execution[] {
       case 'exec-start':
         starts.push(line)
         break
-      case 'resolve': case 'plant': case 'stall':
+      case 'resolve': case 'plant': case 'stall': case 'lock-timeout':
         break
       default:
         push(requests, `${line.pid}\n${line.req}`, line)
@@ -277,6 +288,21 @@ export function checkExecutions (history: History, executions: readonly Executio
   for (const line of history.evidence) if (line.ev === 'stall') push(stallsOf, line.pid, line)
   const boundaries = Object.fromEntries(BOUNDARIES.map((boundary) => [boundary, 0])) as Record<Boundary, number>
   let stepsRefusedAfterFence = 0
+  // The driver's own account of its lock waits (the atomic-duplicate scenario's boundaries): whether
+  // either path ran the handler twice is for the rules below, which see every execution of the key.
+  const secondTries = { acquired: 0, completed: 0, in_progress: 0, error: 0, unmatched: 0 }
+  const claimsAround = new Map<string, ClaimLine[]>()
+  for (const line of history.evidence) if (line.ev === 'claim') push(claimsAround, `${line.pid}\n${recordId(line.scope, line.key)}`, line)
+  for (const line of history.evidence) {
+    if (line.ev !== 'lock-timeout') continue
+    if (line.heldHere) boundaries['lock-timeout-held-here']++
+    if (line.then !== 'retry') continue
+    boundaries['lock-timeout-tried-again']++
+    // The store call the second try belongs to: this process's claim of the key that spans the event.
+    const claim = (claimsAround.get(`${line.pid}\n${recordId(line.scope, line.key)}`) ?? []).find((c) => c.t <= line.t && line.t <= c.end)
+    secondTries[claim?.outcome ?? 'unmatched']++
+    if (claim?.outcome === 'acquired') boundaries['lock-timeout-not-a-duplicate']++
+  }
 
   for (const [id, list] of byKey) {
     list.sort((a, b) => a.start - b.start)
@@ -413,6 +439,7 @@ export function checkExecutions (history: History, executions: readonly Executio
       partitions: history.interventions.filter((intervention) => intervention.kind === 'partition').length,
       stepsRefused: executions.reduce((sum, exec) => sum + exec.steps.filter((step) => step.refusedAt !== null).length, 0),
       stepsRefusedAfterFence,
+      secondTries,
       boundaries
     }
   }
@@ -517,10 +544,18 @@ export function evidenceHistory (history: History, executions: readonly Executio
     if ((line.ev === 'resolve' || line.ev === 'plant') && recordId(line.scope, line.key) === id) {
       events.push({ at: line.t, line: `  ${fmt(line.t)} ${line.ev === 'resolve' ? `reconciler: ${line.action}` : `PLANT: ${line.what}`}` })
     }
+    if (line.ev === 'lock-timeout' && recordId(line.scope, line.key) === id) {
+      events.push({ at: line.t, line: `  ${fmt(line.t)} instance ${line.instance} pid ${line.pid}: claim's lock wait timed out at ${line.boundMs} ms${line.heldHere ? ' (a transaction of this instance holds the key)' : ''}, ${line.then === 'retry' ? 'tried again' : 'answered 409'}` })
+    }
   }
   for (const intervention of history.interventions) {
     if (recordId(intervention.scope, intervention.key) !== id) continue
-    events.push({ at: intervention.from, line: `  ${fmt(intervention.from)}–${fmt(intervention.to)} harness: ${intervention.kind === 'partition' ? `instance ${intervention.instance ?? '?'} cut from the database` : `force release (${intervention.effective ? 'deleted the in-progress record' : 'nothing to delete'})`}` })
+    const what = intervention.kind === 'partition'
+      ? `instance ${intervention.instance ?? '?'} cut from the database`
+      : intervention.kind === 'table-lock'
+        ? `the records table locked (${intervention.effective ? 'taken' : 'not taken: busy'})`
+        : `force release (${intervention.effective ? 'deleted the in-progress record' : 'nothing to delete'})`
+    events.push({ at: intervention.from, line: `  ${fmt(intervention.from)}–${fmt(intervention.to)} harness: ${what}` })
   }
   return events
 }

@@ -90,14 +90,15 @@ export interface Incarnation {
  * key (the same statement as `store.forceRelease`), or one instance cut from the database.
  */
 export interface Intervention {
-  readonly kind: 'force-release' | 'partition'
+  /** table-lock: the records table locked for a moment, by something that is not a duplicate (atomic-duplicate). */
+  readonly kind: 'force-release' | 'partition' | 'table-lock'
   readonly scope: string
   readonly key: string
   readonly from: number
   readonly to: number
   /** The instance cut off (partition). */
   readonly instance: number | null
-  /** Force release: the store deleted an in-progress record. */
+  /** Force release: the store deleted an in-progress record; table lock: the lock was taken. */
   readonly effective: boolean
 }
 

@@ -25,6 +25,8 @@ export interface InstanceEnvironment {
   readonly handlerDelayMs: number
   readonly logDir: string
   readonly seed: number
+  /** The instance that runs without the Redis pre-filter (atomic-duplicate needs duplicates to reach the store). */
+  readonly storeOnlyInstance: number
   /** Called when an instance dies without the harness killing it (its supervisor restarts it). */
   readonly onCrash: (instance: AppInstance, crash: Omit<Crash, 'at'>) => void
   /** See ChaosConfig.plant. */
@@ -79,6 +81,9 @@ export class AppInstance {
   /** The running process's own port (bypassing the proxy, for the harness's probes). */
   get port (): number { return this.upstream.port }
 
+  /** Runs without the Redis pre-filter: every duplicate it gets reaches the store. */
+  get storeOnly (): boolean { return this.index === this.environment.storeOnlyInstance }
+
   get running (): boolean {
     return this.child !== null && this.child.exitCode === null && this.child.signalCode === null
   }
@@ -102,6 +107,7 @@ export class AppInstance {
       CHAOS_PG_CLIENT: env.client,
       CHAOS_EVIDENCE: path.join(env.logDir, `evidence-${this.index}.jsonl`),
       CHAOS_REDIS: this.redis,
+      CHAOS_PREFILTER: this.storeOnly ? 'off' : 'on',
       CHAOS_PROVIDER_PORT: String(env.providerPort),
       CHAOS_LEASE_MS: String(env.leaseMs),
       CHAOS_WAIT_MS: String(env.waitMs),

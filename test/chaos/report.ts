@@ -68,7 +68,10 @@ const BOUNDARY_LABELS: Readonly<Record<Boundary, string>> = {
   'handler-outlived-ttl': 'handlers that outlived a short ttl',
   'held-past-ttl': 'held records retried past their ttl',
   'partitioned-owner-taken-over': 'takeovers of a partitioned owner still running',
-  'step-after-takeover': 'steps attempted after a takeover or force release'
+  'step-after-takeover': 'steps attempted after a takeover or force release',
+  'lock-timeout-held-here': 'atomic claims timed out on a key their own instance held (409 at once)',
+  'lock-timeout-tried-again': 'atomic claims timed out at 1 ms and tried again with 100 ms',
+  'lock-timeout-not-a-duplicate': 'of those, claims that then ran (the lock was the table\'s, not a duplicate\'s)'
 }
 
 export function formatSummary (report: ChaosReport): string {
@@ -87,7 +90,7 @@ export function formatSummary (report: ChaosReport): string {
     ? `${report.durationS} s of faults`
     : `targeted (${report.targeted.join(', ')}): ${report.durationS} s, no faults`
   const lines = [
-    `chaos ${report.targeted === null ? report.mode : 'targeted'} run, seed ${report.seed}${report.plant === null ? '' : `, PLANTED BUG ${report.plant}`}: ${what}, ${report.instances} instances, PostgreSQL store on ${report.clientVersion} + ${redis}; ${report.elapsedS} s in all`,
+    `chaos ${report.targeted === null ? report.mode : 'targeted'} run, seed ${report.seed}${report.plant === null ? '' : `, PLANTED BUG ${report.plant}`}: ${what}, ${report.instances} instances (the last without the Redis pre-filter), PostgreSQL store on ${report.clientVersion} + ${redis}; ${report.elapsedS} s in all`,
     formatDeaths(report.client, report.crashes),
     `operations: ${n(s.operations)} (${n(s.completed)} answered 2xx${report.throttled > 0 ? `, ${n(report.throttled)} not started: concurrency cap` : ''}); attempts: ${n(s.attempts)}; effects: ${n(s.effects)}`,
     `attempt outcomes: ${outcomes}`,
@@ -97,9 +100,10 @@ export function formatSummary (report: ChaosReport): string {
       ? 'reconciler: none in this version of the plugin'
       : `reconciler (store.reconcile, a worker process, every 2 s): ${n(report.reconciler.passes)} passes took ${n(report.reconciler.examined)} stuck records in hand (a record no client retried is taken again at a later pass): ${n(report.reconciler.completed)} completed from their recorded charge, ${n(report.reconciler.resumed)} resumed for the next retry, ${n(report.reconciler.left)} left for a later pass (held records of the held scenario, younger than 2.5 s); ${n(report.reconciler.errors)} failed passes or records`,
     `faults injected (effective/injected): ${n(injected)} in all: ${faults}`,
-    `lease-boundary scenarios (lease 300 ms, ttl 1 s where short): ${scenarios === '' ? 'none' : scenarios}; ${n(report.interventions)} force releases and partitions`,
+    `lease-boundary scenarios (lease 300 ms, ttl 1 s where short): ${scenarios === '' ? 'none' : scenarios}; ${n(report.interventions)} force releases, partitions and table locks`,
     `executions (from the instances' evidence logs): ${n(e.executions)}; takeovers ${n(e.takeovers)}; re-executions allowed: ${n(r['after-release'])} after a release, ${n(r['after-retention'])} after the retention, ${n(r['resumed-by-reconciler'])} resumed by the reconciler, ${n(r['after-dead-owner'])} after a dead owner, ${n(r['after-hold'])} after a hold (resolved or not: see execution-while-held), ${n(r['after-lapsed-owner'])} after an owner that finished without settling, ${n(r['force-released'])} after a force release, ${n(r['cut-from-db'])} while the owner was cut from the database, ${n(r['store-too-slow'])} while the owner's renewals took longer than its lease, ${n(r['owner-stalled'])} while the owner's process was frozen`,
     `lease boundaries crossed${minimum > 0 ? ` (at least ${n(minimum)} each required)` : ''}: ${crossed === '' ? 'none' : crossed}`,
+    `atomic claims tried again after a 1 ms lock wait timed out, by what the second try answered: ${n(e.secondTries.completed)} the recorded response (the original committed within 100 ms), ${n(e.secondTries.in_progress)} 409 (still in flight), ${n(e.secondTries.acquired)} acquired (the lock was not a duplicate's), ${n(e.secondTries.error)} failed${e.secondTries.unmatched > 0 ? `, ${n(e.secondTries.unmatched)} without their claim in the log` : ''}`,
     `also: ${n(e.clientDisconnects)} client disconnects seen by a running owner, ${n(e.handlersOutlivingLease)} handlers slower than their lease, ${n(e.holds)} keys held for the reconciler, ${n(e.forceReleases)} force releases, ${n(e.partitions)} partitions of one instance, ${n(e.stepsRefused)} steps refused with LeaseLostError (${n(e.stepsRefusedAfterFence)} after their fn ran on a proven key: the store answered the owner after its lease)`
   ]
   for (const event of report.faultEvents) {

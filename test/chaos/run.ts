@@ -68,9 +68,21 @@ async function main (config: ChaosConfig): Promise<number> {
     restart: system.restart
   }, random.fork('injections'), now)
   // The operator's tool, on the harness's own connection (never faulted): the same statement as in production.
-  const operator = postgresStore({ sql: services.postgres.sql, purgeInterval: 0 })
+  const admin = services.postgres.sql
+  const operator = postgresStore({ sql: admin, purgeInterval: 0 })
   const workload = new Workload(system.instances, config.workload, random.fork('operations'), random.fork('clients'), now, {
     forceRelease: (scope, key) => operator.forceRelease({ scope, key }),
+    lockRecordsTable: async (holdMs) => {
+      let taken!: (value: boolean) => void
+      const acquired = new Promise<boolean>((resolve) => { taken = resolve })
+      const released = admin.begin(async (tx) => {
+        await tx`SET LOCAL lock_timeout = '10ms'`
+        await tx`LOCK TABLE idempotency_records IN ACCESS EXCLUSIVE MODE`
+        taken(true)
+        await sleep(holdMs)
+      }).then(() => {}, () => { taken(false) })
+      return { taken: await acquired, released }
+    },
     recordedSteps: async (scope, key) => {
       const record = await operator.inspect({ scope, key })
       return record === null || record.state !== 'in_progress' ? null : Object.keys(record.steps)

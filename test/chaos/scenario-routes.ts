@@ -14,9 +14,14 @@
  *                    retries on another instance, which takes the key over
  *   held             a step completes, then the handler marks the failure indeterminate and fails:
  *                    the key is held for the reconciler, which leaves it longer than the 1 s ttl
+ *   atomic-duplicate atomic mode without `wait` (a claim's lock wait bounded by 1 ms): the handler
+ *                    holds its transaction 300–500 ms on the instance without a pre-filter, and
+ *                    duplicates arrive meanwhile on that instance (held here: 409 at once) and on
+ *                    another (not held there: tried again with a 100 ms bound, then 409 or, when
+ *                    the original commits within it, the replay)
  */
 
-export const SCENARIOS = ['slow', 'slow-ttl', 'abandon', 'stream', 'stream-paused', 'steps-force', 'steps-partition', 'held'] as const
+export const SCENARIOS = ['slow', 'slow-ttl', 'abandon', 'stream', 'stream-paused', 'steps-force', 'steps-partition', 'held', 'atomic-duplicate'] as const
 export type Scenario = typeof SCENARIOS[number]
 
 /** The lease of every scenario route: a third of it is the renewal interval. */
@@ -28,21 +33,27 @@ export const HELD_MIN_MS = 2_500
 
 export interface ScenarioRoute {
   readonly path: string
+  /** atomic: the effect is a ledger row in the claim's transaction; lease: a provider charge. */
+  readonly mode: 'atomic' | 'lease'
   readonly leaseMs: number
   /** null: the app's default ttl. */
   readonly ttlMs: number | null
+  /** The route's `wait`; absent: the app's. */
+  readonly waitMs?: number
 }
 
 /** Route per scenario: the two stream and the two steps scenarios share theirs. */
 export const SCENARIO_ROUTES: Readonly<Record<Scenario, ScenarioRoute>> = {
-  slow: { path: '/scenarios/slow', leaseMs: SCENARIO_LEASE_MS, ttlMs: null },
-  'slow-ttl': { path: '/scenarios/slow-ttl', leaseMs: SCENARIO_LEASE_MS, ttlMs: SHORT_TTL_MS },
-  abandon: { path: '/scenarios/abandon', leaseMs: SCENARIO_LEASE_MS, ttlMs: null },
-  stream: { path: '/scenarios/stream', leaseMs: SCENARIO_LEASE_MS, ttlMs: null },
-  'stream-paused': { path: '/scenarios/stream', leaseMs: SCENARIO_LEASE_MS, ttlMs: null },
-  'steps-force': { path: '/scenarios/steps', leaseMs: SCENARIO_LEASE_MS, ttlMs: null },
-  'steps-partition': { path: '/scenarios/steps', leaseMs: SCENARIO_LEASE_MS, ttlMs: null },
-  held: { path: '/scenarios/held', leaseMs: SCENARIO_LEASE_MS, ttlMs: SHORT_TTL_MS }
+  slow: { path: '/scenarios/slow', mode: 'lease', leaseMs: SCENARIO_LEASE_MS, ttlMs: null },
+  'slow-ttl': { path: '/scenarios/slow-ttl', mode: 'lease', leaseMs: SCENARIO_LEASE_MS, ttlMs: SHORT_TTL_MS },
+  abandon: { path: '/scenarios/abandon', mode: 'lease', leaseMs: SCENARIO_LEASE_MS, ttlMs: null },
+  stream: { path: '/scenarios/stream', mode: 'lease', leaseMs: SCENARIO_LEASE_MS, ttlMs: null },
+  'stream-paused': { path: '/scenarios/stream', mode: 'lease', leaseMs: SCENARIO_LEASE_MS, ttlMs: null },
+  'steps-force': { path: '/scenarios/steps', mode: 'lease', leaseMs: SCENARIO_LEASE_MS, ttlMs: null },
+  'steps-partition': { path: '/scenarios/steps', mode: 'lease', leaseMs: SCENARIO_LEASE_MS, ttlMs: null },
+  held: { path: '/scenarios/held', mode: 'lease', leaseMs: SCENARIO_LEASE_MS, ttlMs: SHORT_TTL_MS },
+  // The lease means nothing to an atomic claim (its transaction holds the key); `wait: 0` is the point.
+  'atomic-duplicate': { path: '/scenarios/atomic-duplicate', mode: 'atomic', leaseMs: SCENARIO_LEASE_MS, ttlMs: null, waitMs: 0 }
 }
 
 /** What a scenario operation sends besides amount and currency: the handler's timings. */

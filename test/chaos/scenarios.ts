@@ -27,6 +27,8 @@ export interface ScenarioClient {
   untilStepRecorded (op: Operation, name: string, timeoutMs: number): Promise<boolean>
   /** The operator's force release of the operation's key (store.forceRelease), recorded as an intervention. */
   forceRelease (op: Operation): Promise<void>
+  /** Locks the records table for `holdMs` if it can be taken at once (true), recorded as an intervention. */
+  lockRecordsTable (op: Operation, holdMs: number): Promise<boolean>
   /** Cuts `instance` from the database for `ms`, recorded as an intervention. */
   partition (instance: AppInstance, op: Operation, ms: number): Promise<void>
 }
@@ -45,6 +47,7 @@ export function scenarioParameters (scenario: Scenario, draw: Random): ScenarioP
     case 'steps-force':
     case 'steps-partition': return { pauseMs: 1_200 }
     case 'held': return {}
+    case 'atomic-duplicate': return { delayMs: draw.int(300, 500) }
   }
 }
 
@@ -109,6 +112,28 @@ export async function runScenario (scenario: Scenario, op: Operation, client: Sc
       // The first attempt fails (500) and holds the key; retries get 409 until the reconciler completes it.
       await client.attempt(op, { instance: first })
       break
+    case 'atomic-duplicate': {
+      // First a lock that is not a duplicate's: the records table locked for 20–50 ms, as a busy
+      // table's extension lock or a short DDL would be. The original's 1 ms lock wait times out on
+      // it; no transaction holds the key, so its claim is tried again with 100 ms, and runs.
+      // The original then holds its transaction 300–500 ms on the instance without a pre-filter, so
+      // that every duplicate reaches the store. One on the same instance, 60–120 ms in: its 1 ms
+      // lock wait times out on a key this instance holds (409 at once). One on another instance,
+      // 200–420 ms in: not held there, so tried again with 100 ms, within which the original
+      // commits in some operations (the replay) and not in others (409), or it came after the commit.
+      const holder = running.find((instance) => instance.storeOnly)
+      const elsewhere = running.filter((instance) => !instance.storeOnly)
+      if (holder === undefined || elsewhere.length === 0) break
+      const holdMs = jitter(20, 50)
+      const locked = await client.lockRecordsTable(op, holdMs)
+      const lockedFor = locked ? holdMs : 0
+      await Promise.all([
+        client.attempt(op, { instance: holder }),
+        sleep(lockedFor + jitter(60, 120)).then(() => client.attempt(op, { instance: holder })),
+        sleep(lockedFor + jitter(200, 420)).then(() => client.attempt(op, { instance: client.jitter.pick(elsewhere) }))
+      ])
+      break
+    }
   }
   await client.untilAnswered(op, {})
 }

@@ -108,6 +108,8 @@ export async function startSystem (config: ChaosConfig, random: Random, now: () 
     waitMs: config.waitMs,
     storeTimeoutMs: config.storeTimeoutMs,
     handlerDelayMs: 30,
+    // The last instance: the others keep the pre-filter that the Redis faults act on.
+    storeOnlyInstance: config.instances - 1,
     logDir: workDir,
     seed: config.seed,
     plant: config.plant,
