@@ -41,9 +41,10 @@ export interface WorkloadHooks {
   /** The names of the steps recorded on the key's in-progress record (`store.inspect`), or null. */
   readonly recordedSteps: (scope: string, key: string) => Promise<string[] | null>
   /**
-   * Locks the records table for `holdMs` when it can be taken within 10 ms (a lock queued behind a
-   * long transaction would block every claim for as long: DDL during traffic, not a moment's lock).
-   * Resolves once it holds the lock (true) or gave up (false); it is released `holdMs` later.
+   * Locks the records table for `holdMs` when it can be taken within 10 ms, tried a few times (a
+   * lock queued behind a long transaction would block every claim for as long: DDL during traffic,
+   * not a moment's lock). Resolves once it holds the lock (true) or gave up (false); it is released
+   * `holdMs` later.
    */
   readonly lockRecordsTable: (holdMs: number) => Promise<{ taken: boolean, released: Promise<void> }>
 }

@@ -15,6 +15,7 @@
  * operations ran.
  */
 import { writeFileSync } from 'node:fs'
+import pg from 'pg'
 import { postgresStore } from '../../drivers/postgres/index.js'
 import { check, keyHistory } from './checker.js'
 import { Workload } from './clients.js'
@@ -32,6 +33,31 @@ import { startPrivateServices, type Services } from './services.js'
 import { startSystem, type ChaosSystem } from './system.js'
 
 const sleep = (ms: number): Promise<void> => new Promise((resolve) => setTimeout(resolve, ms))
+/** Tries of the atomic-duplicate scenario's table lock before its operation goes on without it. */
+const LOCK_TRIES = 10
+
+/**
+ * One try at the atomic-duplicate scenario's lock on the records table, held `holdMs` once taken.
+ * On a node-postgres Client of its own: a database fault can end its connection between LOCK and
+ * COMMIT, and postgres.js then throws from a timer when it sends the COMMIT (the nextWrite defect,
+ * crashes.ts), which would end the harness; node-postgres rejects the query instead.
+ */
+async function holdTableLock (databaseUrl: string, holdMs: number): Promise<{ taken: boolean, released: Promise<void> }> {
+  const client = new pg.Client({ connectionString: databaseUrl, application_name: 'chaos-table-lock', connectionTimeoutMillis: 2_000 })
+  client.on('error', () => {}) // a fault that ends the connection: the queries below reject
+  const end = (): Promise<void> => client.end().catch(() => {})
+  try {
+    await client.connect()
+    await client.query('BEGIN')
+    await client.query("SET LOCAL lock_timeout = '10ms'")
+    await client.query('LOCK TABLE idempotency_records IN ACCESS EXCLUSIVE MODE')
+  } catch {
+    await end()
+    return { taken: false, released: Promise.resolve() }
+  }
+  const released = sleep(holdMs).then(() => client.query('COMMIT')).then(end, end)
+  return { taken: true, released }
+}
 const log = (message: string): void => { process.stderr.write(`[chaos] ${message}\n`) }
 
 let services: Services | null = null
@@ -68,20 +94,19 @@ async function main (config: ChaosConfig): Promise<number> {
     restart: system.restart
   }, random.fork('injections'), now)
   // The operator's tool, on the harness's own connection (never faulted): the same statement as in production.
-  const admin = services.postgres.sql
-  const operator = postgresStore({ sql: admin, purgeInterval: 0 })
+  const operator = postgresStore({ sql: services.postgres.sql, purgeInterval: 0 })
+  const databaseUrl = services.databaseUrl
   const workload = new Workload(system.instances, config.workload, random.fork('operations'), random.fork('clients'), now, {
     forceRelease: (scope, key) => operator.forceRelease({ scope, key }),
     lockRecordsTable: async (holdMs) => {
-      let taken!: (value: boolean) => void
-      const acquired = new Promise<boolean>((resolve) => { taken = resolve })
-      const released = admin.begin(async (tx) => {
-        await tx`SET LOCAL lock_timeout = '10ms'`
-        await tx`LOCK TABLE idempotency_records IN ACCESS EXCLUSIVE MODE`
-        taken(true)
-        await sleep(holdMs)
-      }).then(() => {}, () => { taken(false) })
-      return { taken: await acquired, released }
+      // Under load the table is seldom free of transactions for long: up to 10 tries, 20 ms apart,
+      // each giving up after 10 ms in the lock's queue (where it holds up the claims behind it).
+      for (let tries = 0; tries < LOCK_TRIES; tries++) {
+        const lock = await holdTableLock(databaseUrl, holdMs)
+        if (lock.taken) return lock
+        await sleep(20)
+      }
+      return { taken: false, released: Promise.resolve() }
     },
     recordedSteps: async (scope, key) => {
       const record = await operator.inspect({ scope, key })
