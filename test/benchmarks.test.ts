@@ -165,6 +165,24 @@ t.test('npm run bench:page-faults -- --quick measures req/s and page faults per 
   t.ok(result.summary.memory!.faultsPerRequest >= 8, `the growing store: ${result.summary.memory!.faultsPerRequest} page faults per request`)
 })
 
+t.test('npm run bench:generators -- --quick drives bare and memory with both generators in the same slices', { skip: spawnSync('wrk', ['--version']).error === undefined ? false : 'wrk is not installed (.ci/run installs it)' }, async (t) => {
+  const out = join(dir, 'generators.json')
+  const { code, output } = await run('benchmarks/generators.ts', ['--out', out])
+  t.equal(code, 0, output.slice(-2000))
+  const result = JSON.parse(readFileSync(out, 'utf8')) as {
+    byGenerator: Record<string, { memoryOverBare: number, memoryOverBarePerCpu: number, bare: { reqPerSec: number, serverBusy: number, generatorCpuUsPerRequest: number | null }, bareSaturated: { quads: number }, bareGeneratorBound: { quads: number } }>
+    quads: Array<Record<string, { reqPerSec: number, serverCpuUsPerRequest: number, serverBusy: number }>>
+  }
+  t.same(Object.keys(result.byGenerator), ['autocannon', 'wrk'])
+  t.equal(result.quads.length, 1, 'one slice of each cell')
+  t.same(Object.keys(result.quads[0]!).sort(), ['bare autocannon', 'bare wrk', 'memory autocannon', 'memory wrk'])
+  for (const [generator, g] of Object.entries(result.byGenerator)) {
+    t.ok(g.memoryOverBare > 0 && g.memoryOverBarePerCpu > 0, `${generator}: both ratios measured`)
+    t.equal(g.bareSaturated.quads + g.bareGeneratorBound.quads, 1, `${generator}: the quad is counted as saturated or generator-bound`)
+  }
+  t.ok(result.byGenerator.autocannon!.bare.generatorCpuUsPerRequest! > 0, 'autocannon\'s own CPU is measured (it runs in the script)')
+})
+
 t.test('npm run bench:crosscheck says how to install wrk when it is missing', async (t) => {
   const { code, output } = await run('benchmarks/crosscheck.ts', [], { ...process.env, WRK: join(dir, 'no-such-wrk') })
   t.equal(code, 2, output)
