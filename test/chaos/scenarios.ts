@@ -27,7 +27,7 @@ export interface ScenarioClient {
   untilStepRecorded (op: Operation, name: string, timeoutMs: number): Promise<boolean>
   /** The operator's force release of the operation's key (store.forceRelease), recorded as an intervention. */
   forceRelease (op: Operation): Promise<void>
-  /** Locks the records table for `holdMs` if it can be taken at once (true), recorded as an intervention. */
+  /** Locks the records table for `holdMs` if it can be taken (a few tries; true), recorded as an intervention. */
   lockRecordsTable (op: Operation, holdMs: number): Promise<boolean>
   /** Cuts `instance` from the database for `ms`, recorded as an intervention. */
   partition (instance: AppInstance, op: Operation, ms: number): Promise<void>
