@@ -16,6 +16,14 @@
  * Every measurement is also checked: no socket error, no status ≥ 400 (but a storm's 409s), one
  * execution per fresh key, none on replays, one per key in a storm.
  *
+ * --same-window: every slice is taken twice, by wrk and by autocannon driven as run.ts drives it
+ * (benchmarks/autocannon-load.ts, run.ts's keys), one right after the other (which goes first
+ * alternates) against the same server, and each ratio is also compared with autocannon's from the
+ * same slices. Why: run.ts and this script run minutes apart, and this VM's speed changes between
+ * them by more than the ±15% the comparison allows (docs/benchmarks.md "The two generators in the
+ * same window"); side by side, slice by slice, a difference is the generators', not the machine's.
+ * Writes crosscheck.same-window.json (.quick.json with --quick).
+ *
  * --quick: 1 round of 1 s loads, one server per setup serving its scenarios in turn (what
  * test/benchmarks.test.ts runs; its figures only show that it runs).
  *
@@ -31,12 +39,14 @@ import os from 'node:os'
 import path from 'node:path'
 import { fileURLToPath } from 'node:url'
 import { parseArgs } from 'node:util'
+import type autocannon from 'autocannon'
 import postgres from 'postgres'
+import { autocannonLoad, keyed } from './autocannon-load.js'
 import { median, RATIOS, ratioName, ratioWithRounds, setupsOf, slicedRatio, type RatioPair, type SliceFigures } from './ratios.js'
 import { BODY } from './route.js'
 import { startBenchServer, type BenchServer } from './server-process.js'
 import { benchServices } from './services.js'
-import { pinning } from './pinning.js'
+import { cpuMsSince, pinning } from './pinning.js'
 import { cpuUsPerRequest, measuredCpuMs, perCpuRatio } from './measured-cpu.js'
 import { createBenchSchema, describeDatabase, truncateBenchSchema } from './schema.js'
 
@@ -54,6 +64,7 @@ const { values: args } = parseArgs({
     threads: { type: 'string' },
     pin: { type: 'boolean', default: false },
     unpinned: { type: 'boolean', default: false },
+    'same-window': { type: 'boolean', default: false },
     out: { type: 'string' }
   }
 })
@@ -72,7 +83,10 @@ const CONNECTIONS = 10
 const STORM = { connections: 200, keys: 20 }
 const REPLAY_KEYS = 100
 const TOLERANCE = 0.15
-const OUT = args.out ?? path.join(RESULTS, QUICK ? 'crosscheck.quick.json' : 'crosscheck.json')
+const SAME_WINDOW = args['same-window'] === true
+/** autocannon's warm-up in --same-window, after wrk's: the server is warm by then; this warms autocannon (it runs in this process). */
+const AUTOCANNON_WARMUP_SECONDS = QUICK ? 0 : 1
+const OUT = args.out ?? path.join(RESULTS, `crosscheck${SAME_WINDOW ? '.same-window' : ''}${QUICK ? '.quick' : ''}.json`)
 
 /** The wrk binary: WRK, or wrk on the PATH. */
 const WRK = process.env.WRK ?? 'wrk'
@@ -104,6 +118,20 @@ interface Measurement {
   problems: string[]
   /** Problems that fail the run: all but the peer's replay and storm ones, which are its adapter's (peer-glue.ts). */
   failed: boolean
+  /** --same-window: autocannon's slices, each taken beside one of wrk's. */
+  autocannon: AutocannonFigures | null
+}
+
+interface AutocannonFigures {
+  requestsPerSecond: number
+  requests: number
+  sliceRates: number[]
+  sliceCpuUsPerRequest: Array<number | null>
+  measuredCpuUsPerRequest: number | null
+  /** autocannon's own CPU over its slices' wall time: near 1, it bounds the rate it measures. */
+  generatorCpuShare: number
+  statusCodes: Record<string, number>
+  errors: number
 }
 
 // --- services and servers -----------------------------------------------------------------------
@@ -175,8 +203,24 @@ async function completeReplayKeys (url: string, tag: string): Promise<void> {
 
 type Server = BenchServer
 
+/** autocannon's side of a measurement in --same-window. */
+interface AutocannonMeasuring { requests: autocannon.Request[], slices: autocannon.Result[], sliceCpuMs: Array<number | null>, generatorCpuMs: number }
+
 /** One setup's measurement in progress: warmed up, then loaded slice by slice (interleaved with the other setups'). */
-interface Measuring { scenario: Mode, setup: string, server: Server, tag: string, connections: number, initial: number, before: number, runs: WrkRun[], sliceCpuMs: Array<number | null> }
+interface Measuring { scenario: Mode, setup: string, server: Server, tag: string, connections: number, initial: number, before: number, runs: WrkRun[], sliceCpuMs: Array<number | null>, autocannon: AutocannonMeasuring | null }
+
+let autocannonFreshKeys = 0
+/**
+ * autocannon's requests for a measurement: run.ts's stream for the scenario. Replays and the storm
+ * use the keys wrk uses (crosscheck.lua: the same completed keys, the same storm keys, so a storm
+ * still executes each key once); fresh keys are autocannon's own.
+ */
+function autocannonRequests (scenario: Mode, tag: string): autocannon.Request[] {
+  let i = 0
+  if (scenario === 'fresh') return keyed(() => `"a-${tag}-${autocannonFreshKeys++}"`)
+  if (scenario === 'replay') return keyed(() => `"r-${i++ % REPLAY_KEYS}-${tag}"`)
+  return keyed(() => `"s-${i++ % STORM.keys}-${tag}"`)
+}
 
 async function warmUp (scenario: Mode, setup: string, server: Server): Promise<Measuring> {
   const tag = randomBytes(4).toString('hex')
@@ -184,14 +228,38 @@ async function warmUp (scenario: Mode, setup: string, server: Server): Promise<M
   if (scenario === 'replay') await completeReplayKeys(server.url, tag)
   const initial = await executions(server.url)
   if (WARMUP_SECONDS > 0) await runWrk(server.url, scenario, tag, WARMUP_SECONDS, connections)
-  return { scenario, setup, server, tag, connections, initial, before: await executions(server.url), runs: [], sliceCpuMs: [] }
+  const ac = SAME_WINDOW ? { requests: autocannonRequests(scenario, tag), slices: [], sliceCpuMs: [], generatorCpuMs: 0 } : null
+  if (ac !== null && AUTOCANNON_WARMUP_SECONDS > 0) await autocannonLoad(server.url, ac.requests, AUTOCANNON_WARMUP_SECONDS, connections)
+  return { scenario, setup, server, tag, connections, initial, before: await executions(server.url), runs: [], sliceCpuMs: [], autocannon: ac }
 }
 
-async function loadSlice (m: Measuring, seconds: number): Promise<void> {
+async function wrkSlice (m: Measuring, seconds: number): Promise<void> {
   const cpuStart = measuredCpuMs(m.server.pid)
   m.runs.push(await runWrk(m.server.url, m.scenario, m.tag, seconds, m.connections))
   const cpuEnd = measuredCpuMs(m.server.pid)
   m.sliceCpuMs.push(cpuStart === null || cpuEnd === null ? null : cpuEnd - cpuStart)
+}
+
+async function autocannonSlice (m: Measuring, ac: AutocannonMeasuring, seconds: number): Promise<void> {
+  const cpuStart = measuredCpuMs(m.server.pid)
+  const generatorStart = process.cpuUsage()
+  ac.slices.push(await autocannonLoad(m.server.url, ac.requests, seconds, m.connections))
+  ac.generatorCpuMs += cpuMsSince(generatorStart)
+  const cpuEnd = measuredCpuMs(m.server.pid)
+  ac.sliceCpuMs.push(cpuStart === null || cpuEnd === null ? null : cpuEnd - cpuStart)
+}
+
+/** One slice of the measured load: wrk's, and in --same-window autocannon's beside it (the `slice`-th: which goes first alternates). */
+async function loadSlice (m: Measuring, seconds: number, slice: number): Promise<void> {
+  const ac = m.autocannon
+  if (ac === null) return wrkSlice(m, seconds)
+  if (slice % 2 === 0) {
+    await wrkSlice(m, seconds)
+    await autocannonSlice(m, ac, seconds)
+  } else {
+    await autocannonSlice(m, ac, seconds)
+    await wrkSlice(m, seconds)
+  }
 }
 
 const sum = (values: readonly number[]): number => values.reduce((a, b) => a + b, 0)
@@ -207,9 +275,20 @@ async function finish (m: Measuring, round: number): Promise<Measurement> {
   if (connect + read + write + timeout > 0) problems.push(`socket errors ${JSON.stringify(errors)}`)
   if (status > 0 && scenario !== 'storm') problems.push(`${status} responses with a status ≥ 400`)
   const executed = after - m.before
+  const ac = m.autocannon
+  const acRequests = ac === null ? 0 : sum(ac.slices.map((r) => r.requests.total))
+  const statusCodes: Record<string, number> = {}
+  for (const slice of ac?.slices ?? []) {
+    for (const [code, stat] of Object.entries(slice.statusCodeStats ?? {})) statusCodes[code] = (statusCodes[code] ?? 0) + (stat.count ?? 0)
+  }
+  const acErrors = ac === null ? 0 : sum(ac.slices.map((r) => r.errors + r.timeouts))
+  if (acErrors > 0) problems.push(`autocannon: ${acErrors} errors or timeouts`)
+  const acUnexpected = Object.entries(statusCodes).filter(([code, count]) => count > 0 && !code.startsWith('2') && !(scenario === 'storm' && code === '409'))
+  if (acUnexpected.length > 0) problems.push(`autocannon: answers ${JSON.stringify(Object.fromEntries(acUnexpected))}`)
   if (setup !== 'bare') {
-    // wrk stops with requests in flight, which still execute: up to one per connection, per slice.
-    if (scenario === 'fresh' && Math.abs(executed - requests) > (m.runs.length + 1) * connections) problems.push(`${executed} executions for ${requests} fresh keys`)
+    // A load stops with requests in flight, which still execute: up to one per connection, per slice.
+    const slices = m.runs.length + (ac?.slices.length ?? 0)
+    if (scenario === 'fresh' && Math.abs(executed - requests - acRequests) > (slices + 1) * connections) problems.push(`${executed} executions for ${requests + acRequests} fresh keys`)
     if (scenario === 'replay' && executed !== 0) problems.push(`${executed} executions during replays`)
     if (scenario === 'storm' && after - m.initial !== STORM.keys) problems.push(`${after - m.initial} executions for ${STORM.keys} keys`)
   }
@@ -232,7 +311,22 @@ async function finish (m: Measuring, round: number): Promise<Measurement> {
     measuredCpuUsPerRequest: m.sliceCpuMs.includes(null) ? null : cpuUsPerRequest(0, sum(m.sliceCpuMs as number[]), requests),
     executions: executed,
     problems: tolerated ? problems.map((p) => `${p} (the peer's adapter: see peer-glue.ts)`) : problems,
-    failed: problems.length > 0 && !tolerated
+    failed: problems.length > 0 && !tolerated,
+    autocannon: ac === null ? null : autocannonFigures(ac, acRequests, statusCodes, acErrors)
+  }
+}
+
+function autocannonFigures (ac: AutocannonMeasuring, requests: number, statusCodes: Record<string, number>, errors: number): AutocannonFigures {
+  const seconds = sum(ac.slices.map((r) => r.duration))
+  return {
+    requestsPerSecond: Math.round(requests / seconds),
+    requests,
+    sliceRates: ac.slices.map((r) => Math.round(r.requests.total / r.duration)),
+    sliceCpuUsPerRequest: ac.slices.map((r, i) => cpuUsPerRequest(0, ac.sliceCpuMs[i] ?? null, r.requests.total)),
+    measuredCpuUsPerRequest: ac.sliceCpuMs.includes(null) ? null : cpuUsPerRequest(0, sum(ac.sliceCpuMs as number[]), requests),
+    generatorCpuShare: Math.round(ac.generatorCpuMs / (seconds * 1000) * 100) / 100,
+    statusCodes,
+    errors
   }
 }
 
@@ -250,7 +344,7 @@ async function measureRound (round: number, scenario: Mode, setups: string[], re
     for (let i = 0; i < setups.length; i++) measuring.push(await warmUp(scenario, setups[i]!, servers[i]!))
     const slices = Math.max(1, Math.round(SECONDS / SLICE_SECONDS))
     for (let slice = 0; slice < slices; slice++) {
-      for (let turn = 0; turn < measuring.length; turn++) await loadSlice(measuring[(slice + turn) % measuring.length]!, SLICE_SECONDS)
+      for (let turn = 0; turn < measuring.length; turn++) await loadSlice(measuring[(slice + turn) % measuring.length]!, SLICE_SECONDS, slice)
     }
     for (const m of measuring) record(await finish(m, round))
   } finally {
@@ -273,7 +367,7 @@ async function measureAll (plan: Array<{ scenario: Mode, setups: string[] }>, on
         for (const { scenario } of plan.filter((p) => p.setups.includes(setup))) {
           await truncateBenchSchema(admin, SCHEMA)
           const m = await warmUp(scenario, setup, server)
-          await loadSlice(m, SECONDS)
+          await loadSlice(m, SECONDS, 0)
           record(await finish(m, 1))
         }
       } finally {
@@ -328,6 +422,55 @@ function pad (rows: string[][]): string {
   return [line(rows[0]!), `|${widths.map((w, i) => i === 0 ? `:${'-'.repeat(w + 1)}` : `${'-'.repeat(w + 1)}:`).join('|')}|`, ...rows.slice(1).map(line)].join('\n')
 }
 
+interface RatioFigures extends RatioPair { name: string, ratio: number | null, byRound: number[], cpuRatio: number | null, cpuByRound: number[] }
+
+/** One ratio of wrk's against another measurement's (run.ts's, or autocannon's in the same slices). */
+interface Compared { name: string, crosscheck: number | null, runTs: number | null, difference: number | null, flagged: boolean, cpuCrosscheck: number | null, cpuRunTs: number | null, cpuDifference: number | null, cpuFlagged: boolean }
+
+const differenceOf = (mine: number | null, theirs: number | null): number | null =>
+  mine === null || theirs === null ? null : Math.round((mine / theirs - 1) * 1000) / 1000
+
+/** wrk's ratios against `theirs` (of req/s) and `theirsPerCpu`; `runTs` is the other side (named for run.ts, the first it was compared with). */
+function compare (ratios: readonly RatioFigures[], theirs: (name: string) => number | null, theirsPerCpu: (name: string) => number | null): Compared[] {
+  return ratios.map((r) => {
+    const other = theirs(r.name)
+    const difference = differenceOf(r.ratio, other)
+    const cpuOther = theirsPerCpu(r.name)
+    const cpuDifference = differenceOf(r.cpuRatio, cpuOther)
+    return {
+      name: r.name,
+      crosscheck: r.ratio,
+      runTs: other,
+      difference,
+      flagged: difference !== null && Math.abs(difference) > TOLERANCE,
+      cpuCrosscheck: r.cpuRatio,
+      cpuRunTs: cpuOther,
+      cpuDifference,
+      cpuFlagged: cpuDifference !== null && Math.abs(cpuDifference) > TOLERANCE
+    }
+  })
+}
+
+function describeComparison (comparison: readonly Compared[]): string {
+  const flagged = comparison.filter((c) => c.flagged)
+  const compared = comparison.filter((c) => c.difference !== null)
+  const cpuFlagged = comparison.filter((c) => c.cpuFlagged)
+  const cpuCompared = comparison.filter((c) => c.cpuDifference !== null)
+  return `of req/s, ${compared.length - flagged.length} of ${compared.length} ratios agree within ±${TOLERANCE * 100}%${flagged.length > 0 ? ` (${flagged.length} differ: ${flagged.map((c) => c.name).join(', ')})` : ''}; ` +
+    `per CPU of the measured side, ${cpuCompared.length - cpuFlagged.length} of ${cpuCompared.length}${cpuFlagged.length > 0 ? ` (${cpuFlagged.length} differ: ${cpuFlagged.map((c) => c.name).join(', ')})` : ''}`
+}
+
+function comparisonTable (comparison: readonly Compared[]): string {
+  const percent = (d: number | null): string => d === null ? '—' : `${d >= 0 ? '+' : ''}${(d * 100).toFixed(1)}%`
+  const verdict = (d: number | null, flagged: boolean): string => d === null ? 'not compared' : flagged ? `DIFFERS by more than ${TOLERANCE * 100}%` : 'agrees'
+  const rows = [['ratio', 'req/s: wrk', 'autocannon', 'difference', '', 'per CPU: wrk', 'autocannon', 'difference', '']]
+  for (const c of comparison) {
+    rows.push([c.name, c.crosscheck?.toFixed(3) ?? '—', c.runTs?.toFixed(3) ?? '—', percent(c.difference), verdict(c.difference, c.flagged),
+      c.cpuCrosscheck?.toFixed(3) ?? '—', c.cpuRunTs?.toFixed(3) ?? '—', percent(c.cpuDifference), verdict(c.cpuDifference, c.cpuFlagged)])
+  }
+  return pad(rows)
+}
+
 // --- main ---------------------------------------------------------------------------------------
 
 const log = (message: string): void => { process.stderr.write(`[crosscheck] ${message}\n`) }
@@ -345,74 +488,56 @@ try {
   })
 
   const find = (round: number, scenario: Mode, setup: string): Measurement | undefined => measurements.find((m) => m.round === round && m.scenario === scenario && m.setup === setup)
-  const slicesOf = (scenario: Mode, setup: string, pick: (m: Measurement) => ReadonlyArray<number | null>): SliceFigures =>
-    Array.from({ length: ROUNDS }, (_, i) => { const m = find(i + 1, scenario, setup); return m === undefined ? [] : pick(m) })
-  const ratios = RATIOS.map((pair) => {
+  /** One generator's figures of a measurement: wrk's (the measurement's own) or autocannon's (--same-window). */
+  type Figures = Pick<Measurement, 'requestsPerSecond' | 'sliceRates' | 'sliceCpuUsPerRequest' | 'measuredCpuUsPerRequest'>
+  const ratiosOf = (pick: (m: Measurement) => Figures | null): RatioFigures[] => RATIOS.map((pair) => {
+    const figures = (round: number, setup: string): Figures | null => { const m = find(round, pair.scenario, setup); return m === undefined ? null : pick(m) }
     const byRound: number[] = []
     const cpuByRound: number[] = []
     for (let round = 1; round <= ROUNDS; round++) {
-      const a = find(round, pair.scenario, pair.setup)
-      const b = find(round, pair.scenario, pair.to)
-      if (a === undefined || b === undefined) continue
+      const a = figures(round, pair.setup)
+      const b = figures(round, pair.to)
+      if (a === null || b === null) continue
       byRound.push(Math.round(a.requestsPerSecond / b.requestsPerSecond * 1000) / 1000)
       const perCpu = perCpuRatio(a.measuredCpuUsPerRequest, b.measuredCpuUsPerRequest)
       if (perCpu !== null) cpuByRound.push(perCpu)
     }
-    const rates = (setup: string): SliceFigures => slicesOf(pair.scenario, setup, (m) => m.sliceRates)
-    const cpu = (setup: string): SliceFigures => slicesOf(pair.scenario, setup, (m) => m.sliceCpuUsPerRequest)
+    const slicesOf = (setup: string, of: (f: Figures) => ReadonlyArray<number | null>): SliceFigures =>
+      Array.from({ length: ROUNDS }, (_, i) => { const f = figures(i + 1, setup); return f === null ? [] : of(f) })
+    const rates = (setup: string): SliceFigures => slicesOf(setup, (f) => f.sliceRates)
+    const cpu = (setup: string): SliceFigures => slicesOf(setup, (f) => f.sliceCpuUsPerRequest)
     return { ...pair, name: ratioName(pair), ratio: slicedRatio(rates(pair.setup), rates(pair.to)), byRound, cpuRatio: slicedRatio(cpu(pair.setup), cpu(pair.to), true), cpuByRound }
   })
+  const ratios = ratiosOf((m) => m)
+  const autocannonRatios = SAME_WINDOW ? ratiosOf((m) => m.autocannon) : null
 
-  const rows = [['scenario / setup', 'req/s (median)', 'p50 µs', 'p99 µs', 'CPU µs/req', 'req/s by round']]
+  const rows = [['scenario / setup', 'req/s (median)', 'p50 µs', 'p99 µs', 'CPU µs/req', 'req/s by round', ...SAME_WINDOW ? ['autocannon req/s', 'CPU µs/req', 'its CPU share'] : []]]
   for (const { scenario, setups } of plan) {
     for (const setup of setups) {
       const mine = measurements.filter((m) => m.scenario === scenario && m.setup === setup)
+      const theirs = mine.flatMap((m) => m.autocannon === null ? [] : [m.autocannon])
       rows.push([`${scenario} / ${setup}`, Math.round(median(mine.map((m) => m.requestsPerSecond))).toLocaleString('en-US'),
         String(median(mine.map((m) => m.p50Us))), String(median(mine.map((m) => m.p99Us))),
-        String(Math.round(median(mine.map((m) => m.measuredCpuUsPerRequest ?? NaN)))), mine.map((m) => m.requestsPerSecond.toLocaleString('en-US')).join(' ')])
+        String(Math.round(median(mine.map((m) => m.measuredCpuUsPerRequest ?? NaN)))), mine.map((m) => m.requestsPerSecond.toLocaleString('en-US')).join(' '),
+        ...SAME_WINDOW
+          ? [Math.round(median(theirs.map((a) => a.requestsPerSecond))).toLocaleString('en-US'), String(Math.round(median(theirs.map((a) => a.measuredCpuUsPerRequest ?? NaN)))), median(theirs.map((a) => a.generatorCpuShare)).toFixed(2)]
+          : []])
     }
   }
 
   const reference = latestRunTs()
-  const differenceOf = (mine: number | null, theirs: number | null): number | null =>
-    mine === null || theirs === null ? null : Math.round((mine / theirs - 1) * 1000) / 1000
-  const comparison = ratios.map((r) => {
-    const theirs = reference?.ratios.get(r.name) ?? null
-    const difference = differenceOf(r.ratio, theirs)
-    const cpuTheirs = reference?.cpuRatios.get(r.name) ?? null
-    const cpuDifference = differenceOf(r.cpuRatio, cpuTheirs)
-    return {
-      name: r.name,
-      crosscheck: r.ratio,
-      runTs: theirs,
-      difference,
-      flagged: difference !== null && Math.abs(difference) > TOLERANCE,
-      cpuCrosscheck: r.cpuRatio,
-      cpuRunTs: cpuTheirs,
-      cpuDifference,
-      cpuFlagged: cpuDifference !== null && Math.abs(cpuDifference) > TOLERANCE
-    }
-  })
-  const percent = (d: number | null): string => d === null ? '—' : `${d >= 0 ? '+' : ''}${(d * 100).toFixed(1)}%`
-  const verdict = (d: number | null, flagged: boolean): string => d === null ? 'not compared' : flagged ? `DIFFERS by more than ${TOLERANCE * 100}%` : 'agrees'
-  const compareRows = [['ratio', 'req/s: wrk', 'autocannon', 'difference', '', 'per CPU: wrk', 'autocannon', 'difference', '']]
-  for (const c of comparison) {
-    compareRows.push([c.name, c.crosscheck?.toFixed(3) ?? '—', c.runTs?.toFixed(3) ?? '—', percent(c.difference), verdict(c.difference, c.flagged),
-      c.cpuCrosscheck?.toFixed(3) ?? '—', c.cpuRunTs?.toFixed(3) ?? '—', percent(c.cpuDifference), verdict(c.cpuDifference, c.cpuFlagged)])
-  }
-  const flagged = comparison.filter((c) => c.flagged)
-  const compared = comparison.filter((c) => c.difference !== null)
-  const cpuFlagged = comparison.filter((c) => c.cpuFlagged)
-  const cpuCompared = comparison.filter((c) => c.cpuDifference !== null)
+  const comparison = compare(ratios, (name) => reference?.ratios.get(name) ?? null, (name) => reference?.cpuRatios.get(name) ?? null)
+  const sameWindow = autocannonRatios === null
+    ? null
+    : compare(ratios, (name) => autocannonRatios.find((r) => r.name === name)?.ratio ?? null, (name) => autocannonRatios.find((r) => r.name === name)?.cpuRatio ?? null)
   process.stdout.write([
-    `crosscheck: wrk against benchmarks/server.ts, ${ROUNDS} round(s), ratios the medians of slice-pair ratios (then each round's own)${QUICK ? ' (quick mode: figures only show that it runs)' : ''}`,
+    `crosscheck: wrk${SAME_WINDOW ? ', and autocannon in the same slices,' : ''} against benchmarks/server.ts, ${ROUNDS} round(s), ratios the medians of slice-pair ratios (then each round's own)${QUICK ? ' (quick mode: figures only show that it runs)' : ''}`,
     pad(rows),
-    ['ratios (of req/s; per CPU of the measured side):', ...ratios.map((r) => `- ${r.name}: ${ratioWithRounds(r.ratio, r.byRound)}; ${ratioWithRounds(r.cpuRatio, r.cpuByRound)}`)].join('\n'),
+    ['ratios of wrk (of req/s; per CPU of the measured side):', ...ratios.map((r) => `- ${r.name}: ${ratioWithRounds(r.ratio, r.byRound)}; ${ratioWithRounds(r.cpuRatio, r.cpuByRound)}`)].join('\n'),
+    ...sameWindow === null ? [] : [`comparison with autocannon in the same slices: ${describeComparison(sameWindow)}\n${comparisonTable(sameWindow)}`],
     reference === null
       ? 'comparison: no run.ts result in benchmarks/results/ (run `npm run bench` first, or pass --against)'
-      : `comparison with run.ts (${path.relative(ROOT, reference.path)}, ${reference.date}${reference.quick ? ', a quick run' : ''}): ` +
-        `of req/s, ${compared.length - flagged.length} of ${compared.length} ratios agree within ±${TOLERANCE * 100}%${flagged.length > 0 ? ` (${flagged.length} differ: ${flagged.map((c) => c.name).join(', ')})` : ''}; ` +
-        `per CPU of the measured side, ${cpuCompared.length - cpuFlagged.length} of ${cpuCompared.length}${cpuFlagged.length > 0 ? ` (${cpuFlagged.length} differ: ${cpuFlagged.map((c) => c.name).join(', ')})` : ''}\n${pad(compareRows)}`
+      : `comparison with run.ts (${path.relative(ROOT, reference.path)}, ${reference.date}${reference.quick ? ', a quick run' : ''}): ${describeComparison(comparison)}\n${comparisonTable(comparison)}`
   ].join('\n\n') + '\n')
 
   mkdirSync(path.dirname(OUT), { recursive: true })
@@ -423,10 +548,13 @@ try {
     elapsedSeconds: Math.round((Date.now() - startedAt.getTime()) / 1000),
     machine: { cpuModel: os.cpus()[0]?.model ?? 'unknown', cores: os.cpus().length, loadAverageAtStart: os.loadavg() },
     versions: { node: process.version, wrk: wrkVersion, postgresServer: database.server_version },
-    config: { rounds: ROUNDS, seconds: SECONDS, warmupSeconds: WARMUP_SECONDS, threads: THREADS, connections: CONNECTIONS, storm: STORM, replayKeys: REPLAY_KEYS, tolerance: TOLERANCE, pinning: PIN.description },
+    config: { rounds: ROUNDS, seconds: SECONDS, warmupSeconds: WARMUP_SECONDS, threads: THREADS, connections: CONNECTIONS, storm: STORM, replayKeys: REPLAY_KEYS, tolerance: TOLERANCE, pinning: PIN.description, sameWindow: SAME_WINDOW, autocannonWarmupSeconds: SAME_WINDOW ? AUTOCANNON_WARMUP_SECONDS : null },
     reference: reference === null ? null : { path: path.relative(ROOT, reference.path), date: reference.date, quick: reference.quick },
     ratios,
     comparison,
+    autocannonRatios,
+    // The same comparison, named for its two sides.
+    sameWindow: sameWindow?.map(({ crosscheck, runTs, cpuCrosscheck, cpuRunTs, ...rest }) => ({ ...rest, wrk: crosscheck, autocannon: runTs, cpuWrk: cpuCrosscheck, cpuAutocannon: cpuRunTs })) ?? null,
     measurements
   }, null, 2)}\n`)
   log(`wrote ${path.relative(process.cwd(), OUT)} in ${Math.round((Date.now() - startedAt.getTime()) / 1000)} s`)

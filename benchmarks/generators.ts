@@ -23,8 +23,8 @@ import { writeFileSync } from 'node:fs'
 import path from 'node:path'
 import { fileURLToPath } from 'node:url'
 import { parseArgs } from 'node:util'
-import autocannon from 'autocannon'
-import { measuredCpuMs } from './measured-cpu.js'
+import { autocannonLoad, keyed } from './autocannon-load.js'
+import { measuredCpuMs, processCpuMs } from './measured-cpu.js'
 import { cpuMsSince, pinning } from './pinning.js'
 import { median } from './ratios.js'
 import { BODY } from './route.js'
@@ -62,7 +62,14 @@ type Setup = typeof SETUPS[number]
 type Generator = typeof GENERATORS[number]
 type Cell = `${Setup} ${Generator}`
 
-interface Slice { readonly reqPerSec: number, readonly serverCpuUsPerRequest: number, readonly serverBusy: number, readonly generatorCpuUsPerRequest: number | null }
+interface Slice {
+  readonly reqPerSec: number
+  readonly serverCpuUsPerRequest: number
+  /** The part of serverCpuUsPerRequest the kernel spent on the server's behalf (its socket reads and writes). */
+  readonly serverSystemUsPerRequest: number
+  readonly serverBusy: number
+  readonly generatorCpuUsPerRequest: number | null
+}
 
 const PIN = pinning(QUICK ? 'off' : 'auto')
 const log = (message: string): void => { process.stderr.write(`[generators] ${message}\n`) }
@@ -73,16 +80,8 @@ let wrkRuns = 0
 async function drive (generator: Generator, url: string, seconds: number): Promise<{ requests: number, generatorCpuMs: number | null }> {
   if (generator === 'autocannon') {
     const since = process.cpuUsage()
-    const result = await autocannon({
-      url,
-      connections: CONNECTIONS,
-      duration: seconds,
-      sampleInt: 100,
-      headers: { 'content-type': 'application/json' },
-      body: BODY,
-      // As run.ts's fresh scenario: a new key per request, set in setupRequest.
-      requests: [{ method: 'POST', path: '/pay', setupRequest (request) { (request.headers ??= {})['idempotency-key'] = `"g-${autocannonKeys++}"`; return request } }]
-    })
+    // As run.ts's fresh scenario: a new key per request.
+    const result = await autocannonLoad(url, keyed(() => `"g-${autocannonKeys++}"`), seconds, CONNECTIONS)
     if (result.non2xx > 0 || result.errors > 0) throw new Error(`autocannon: ${result.non2xx} non-2xx, ${result.errors} errors`)
     return { requests: result.requests.total, generatorCpuMs: cpuMsSince(since) }
   }
@@ -106,13 +105,16 @@ async function drive (generator: Generator, url: string, seconds: number): Promi
 
 async function slice (generator: Generator, server: BenchServer): Promise<Slice> {
   const cpuBefore = measuredCpuMs(server.pid)!
+  const systemBefore = processCpuMs(server.pid)!.system
   const started = process.hrtime.bigint()
   const { requests, generatorCpuMs } = await drive(generator, server.url, SLICE_SECONDS)
   const wallMs = Number(process.hrtime.bigint() - started) / 1e6
   const cpuMs = measuredCpuMs(server.pid)! - cpuBefore
+  const systemMs = processCpuMs(server.pid)!.system - systemBefore
   return {
     reqPerSec: requests / SLICE_SECONDS,
     serverCpuUsPerRequest: cpuMs * 1000 / requests,
+    serverSystemUsPerRequest: systemMs * 1000 / requests,
     serverBusy: cpuMs / wallMs,
     generatorCpuUsPerRequest: generatorCpuMs === null ? null : generatorCpuMs * 1000 / requests
   }
@@ -153,8 +155,8 @@ const byGenerator = Object.fromEntries(GENERATORS.map((generator) => {
   return [generator, {
     memoryOverBare: round3(median(quads.map(ratio))),
     memoryOverBarePerCpu: round3(median(quads.map((quad) => quad[bare].serverCpuUsPerRequest / quad[memory].serverCpuUsPerRequest))),
-    bare: { reqPerSec: Math.round(of(bare, (s) => s.reqPerSec)!), serverCpuUsPerRequest: of(bare, (s) => s.serverCpuUsPerRequest), serverBusy: of(bare, (s) => s.serverBusy), generatorCpuUsPerRequest: of(bare, (s) => s.generatorCpuUsPerRequest) },
-    memory: { reqPerSec: Math.round(of(memory, (s) => s.reqPerSec)!), serverCpuUsPerRequest: of(memory, (s) => s.serverCpuUsPerRequest), serverBusy: of(memory, (s) => s.serverBusy), generatorCpuUsPerRequest: of(memory, (s) => s.generatorCpuUsPerRequest) },
+    bare: { reqPerSec: Math.round(of(bare, (s) => s.reqPerSec)!), serverCpuUsPerRequest: of(bare, (s) => s.serverCpuUsPerRequest), serverSystemUsPerRequest: of(bare, (s) => s.serverSystemUsPerRequest), serverBusy: of(bare, (s) => s.serverBusy), generatorCpuUsPerRequest: of(bare, (s) => s.generatorCpuUsPerRequest) },
+    memory: { reqPerSec: Math.round(of(memory, (s) => s.reqPerSec)!), serverCpuUsPerRequest: of(memory, (s) => s.serverCpuUsPerRequest), serverSystemUsPerRequest: of(memory, (s) => s.serverSystemUsPerRequest), serverBusy: of(memory, (s) => s.serverBusy), generatorCpuUsPerRequest: of(memory, (s) => s.generatorCpuUsPerRequest) },
     // The mechanism: the ratio where this generator kept bare's server saturated, and where it did not.
     bareSaturated: { quads: saturated.length, memoryOverBare: saturated.length === 0 ? null : round3(median(saturated.map(ratio))) },
     bareGeneratorBound: { quads: generatorBound.length, memoryOverBare: generatorBound.length === 0 ? null : round3(median(generatorBound.map(ratio))) }
@@ -162,7 +164,8 @@ const byGenerator = Object.fromEntries(GENERATORS.map((generator) => {
 }))
 const wrkOverAutocannon = Object.fromEntries(SETUPS.map((setup) => [setup, {
   reqPerSec: round3(median(quads.map((quad) => quad[`${setup} wrk`].reqPerSec / quad[`${setup} autocannon`].reqPerSec))),
-  serverCpuUsPerRequest: round3(median(quads.map((quad) => quad[`${setup} wrk`].serverCpuUsPerRequest / quad[`${setup} autocannon`].serverCpuUsPerRequest)))
+  serverCpuUsPerRequest: round3(median(quads.map((quad) => quad[`${setup} wrk`].serverCpuUsPerRequest / quad[`${setup} autocannon`].serverCpuUsPerRequest))),
+  serverSystemUsPerRequest: round3(median(quads.map((quad) => quad[`${setup} wrk`].serverSystemUsPerRequest / quad[`${setup} autocannon`].serverSystemUsPerRequest)))
 }]))
 
 writeFileSync(OUT, JSON.stringify({
@@ -182,5 +185,8 @@ for (const generator of GENERATORS) {
   log(`${generator}: memory ÷ bare ${g.memoryOverBare} (per CPU ${g.memoryOverBarePerCpu}); bare ${g.bare.reqPerSec} req/s, server ${Math.round((g.bare.serverBusy ?? 0) * 100)}% busy; ` +
     `bare saturated in ${g.bareSaturated.quads} of ${quads.length} quads (ratio ${g.bareSaturated.memoryOverBare ?? '-'}), generator-bound in ${g.bareGeneratorBound.quads} (ratio ${g.bareGeneratorBound.memoryOverBare ?? '-'})`)
 }
-log(`wrk ÷ autocannon, same slices: bare ${wrkOverAutocannon.bare!.reqPerSec} req/s, ${wrkOverAutocannon.bare!.serverCpuUsPerRequest} server CPU per request; memory ${wrkOverAutocannon.memory!.reqPerSec}, ${wrkOverAutocannon.memory!.serverCpuUsPerRequest}`)
+log(`wrk ÷ autocannon, same slices: bare ${wrkOverAutocannon.bare!.reqPerSec} req/s, ${wrkOverAutocannon.bare!.serverCpuUsPerRequest} server CPU per request (${wrkOverAutocannon.bare!.serverSystemUsPerRequest} of its system part); memory ${wrkOverAutocannon.memory!.reqPerSec}, ${wrkOverAutocannon.memory!.serverCpuUsPerRequest} (${wrkOverAutocannon.memory!.serverSystemUsPerRequest})`)
+for (const setup of SETUPS) {
+  log(`${setup}: server CPU per request (system part), autocannon ${byGenerator.autocannon![setup].serverCpuUsPerRequest} µs (${byGenerator.autocannon![setup].serverSystemUsPerRequest}), wrk ${byGenerator.wrk![setup].serverCpuUsPerRequest} µs (${byGenerator.wrk![setup].serverSystemUsPerRequest})`)
+}
 log(`wrote ${path.relative(ROOT, OUT)}`)

@@ -43,6 +43,19 @@ export function measuredCpuSplitMs (serverPid: number): CpuSplit | null {
   return { server: ticks.server * TICK_MS, postgres: ticks.postgres * TICK_MS, redis: ticks.redis * TICK_MS }
 }
 
+/**
+ * One process's CPU time so far, ms, user and system apart (null off Linux): where a request's cost
+ * lies, in the process's own code or in the kernel on its behalf (socket reads and writes). The two
+ * load generators cost bare's server the same user time per request and different system time
+ * (docs/benchmarks.md "Side by side").
+ */
+export function processCpuMs (pid: number): { user: number, system: number } | null {
+  if (process.platform !== 'linux') return null
+  const stat = readFileSync(`/proc/${pid}/stat`, 'utf8')
+  const fields = stat.slice(stat.lastIndexOf(')') + 2).split(' ')
+  return { user: Number(fields[11]) * TICK_MS, system: Number(fields[12]) * TICK_MS }
+}
+
 /** CPU time so far, ms, of the process `serverPid` and of every PostgreSQL and Redis process, together. */
 export function measuredCpuMs (serverPid: number): number | null {
   const split = measuredCpuSplitMs(serverPid)

@@ -33,9 +33,10 @@ import os from 'node:os'
 import path from 'node:path'
 import { fileURLToPath } from 'node:url'
 import { parseArgs } from 'node:util'
-import autocannon from 'autocannon'
+import type autocannon from 'autocannon'
 import postgres from 'postgres'
 import { chart } from './chart.js'
+import { autocannonLoad as load, keyed } from './autocannon-load.js'
 import { median, RATIOS, ratioName, ratioWithRounds } from './ratios.js'
 import { BODY } from './route.js'
 import { startBenchServer } from './server-process.js'
@@ -123,18 +124,6 @@ interface Scenario {
   allowedNon2xx?: readonly number[]
   /** What must hold of a measured run (beyond 0 errors): its problems (the run fails) and warnings. */
   check: (run: Run) => { problems?: string[], warnings?: string[] }
-}
-
-/** A request whose idempotency-key header `key()` picks anew each time autocannon sends it. */
-function keyed (key: () => string): autocannon.Request[] {
-  return [{
-    method: 'POST',
-    path: '/pay',
-    setupRequest (request) {
-      (request.headers ??= {})['idempotency-key'] = key()
-      return request
-    }
-  }]
 }
 
 /** Shared by the warm-up and the measured load, so a key is never sent twice. */
@@ -304,21 +293,6 @@ async function startServer (setup: Setup, payload: number): Promise<Instance> {
     running: servers
   })
   return { setup, url: server.url, pid: server.pid, stop: server.stop }
-}
-
-/** A load of `seconds`, or of exactly `amount` requests (autocannon: amount overrides duration). */
-function load (url: string, requests: autocannon.Request[], seconds: number, connections: number, amount?: number): Promise<autocannon.Result> {
-  return autocannon({
-    url,
-    connections,
-    duration: seconds,
-    ...(amount === undefined ? {} : { amount }),
-    // The stop is checked at each sample; the default (1 s) would stretch a 1.5 s run to 2 s.
-    sampleInt: 100,
-    headers: { 'content-type': 'application/json' },
-    body: BODY,
-    requests
-  })
 }
 
 /** One POST /pay with `key`; its status. */

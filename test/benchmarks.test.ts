@@ -171,7 +171,7 @@ t.test('npm run bench:generators -- --quick drives bare and memory with both gen
   t.equal(code, 0, output.slice(-2000))
   const result = JSON.parse(readFileSync(out, 'utf8')) as {
     byGenerator: Record<string, { memoryOverBare: number, memoryOverBarePerCpu: number, bare: { reqPerSec: number, serverBusy: number, generatorCpuUsPerRequest: number | null }, bareSaturated: { quads: number }, bareGeneratorBound: { quads: number } }>
-    quads: Array<Record<string, { reqPerSec: number, serverCpuUsPerRequest: number, serverBusy: number }>>
+    quads: Array<Record<string, { reqPerSec: number, serverCpuUsPerRequest: number, serverSystemUsPerRequest: number, serverBusy: number }>>
   }
   t.same(Object.keys(result.byGenerator), ['autocannon', 'wrk'])
   t.equal(result.quads.length, 1, 'one slice of each cell')
@@ -181,6 +181,8 @@ t.test('npm run bench:generators -- --quick drives bare and memory with both gen
     t.equal(g.bareSaturated.quads + g.bareGeneratorBound.quads, 1, `${generator}: the quad is counted as saturated or generator-bound`)
   }
   t.ok(result.byGenerator.autocannon!.bare.generatorCpuUsPerRequest! > 0, 'autocannon\'s own CPU is measured (it runs in the script)')
+  // The kernel's part of the server's CPU: measured, and a part (the 10 ms ticks of /proc can round either to 0).
+  t.ok(Object.values(result.quads[0]!).every((slice) => slice.serverSystemUsPerRequest >= 0 && slice.serverSystemUsPerRequest <= slice.serverCpuUsPerRequest), 'system time per request measured, within the whole')
 })
 
 t.test('npm run bench:crosscheck says how to install wrk when it is missing', async (t) => {
@@ -191,16 +193,18 @@ t.test('npm run bench:crosscheck says how to install wrk when it is missing', as
 })
 
 const hasWrk = spawnSync('wrk', ['--version']).error === undefined
-t.test('npm run bench:crosscheck -- --quick reproduces the ratios and compares them with run.ts', { skip: hasWrk ? false : 'wrk is not installed (the missing-wrk message is tested above)' }, async (t) => {
+t.test('npm run bench:crosscheck -- --quick --same-window reproduces the ratios and compares them with autocannon in the same slices and with run.ts', { skip: hasWrk ? false : 'wrk is not installed (the missing-wrk message is tested above)' }, async (t) => {
   if (process.env.DATABASE_URL === undefined || process.env.REDIS_URL === undefined) return t.fail('DATABASE_URL and REDIS_URL must be set (npm test sets them)')
   const out = join(dir, 'crosscheck.json')
   const against = existsSync(benchOut) ? ['--against', benchOut] : []
-  const { code, output } = await run('benchmarks/crosscheck.ts', ['--out', out, ...against])
+  const { code, output } = await run('benchmarks/crosscheck.ts', ['--same-window', '--out', out, ...against])
   if (!existsSync(out)) return t.fail(`no result written (exit ${code ?? 'null'})`, { output: output.slice(-3000) })
   const result = JSON.parse(readFileSync(out, 'utf8')) as {
     ratios: Array<{ name: string, ratio: number | null, cpuRatio: number | null }>
     comparison: Array<{ name: string, crosscheck: number | null, runTs: number | null, flagged: boolean, cpuCrosscheck: number | null, cpuRunTs: number | null }>
-    measurements: Array<{ round: number, scenario: string, setup: string, problems: string[], failed: boolean }>
+    autocannonRatios: Array<{ name: string, ratio: number | null, cpuRatio: number | null }> | null
+    sameWindow: Array<{ name: string, wrk: number | null, autocannon: number | null, difference: number | null, flagged: boolean }> | null
+    measurements: Array<{ round: number, scenario: string, setup: string, problems: string[], failed: boolean, requests: number, autocannon: { requests: number, sliceRates: number[], statusCodes: Record<string, number> } | null }>
   }
   // Each failing measurement's problems by name (socket errors, error statuses, executions that do
   // not match the keys sent), so a failure says which load went wrong.
@@ -218,4 +222,11 @@ t.test('npm run bench:crosscheck -- --quick reproduces the ratios and compares t
     t.ok(result.comparison.every((c) => typeof c.cpuRunTs === 'number'), 'per CPU too')
   }
   t.match(output, /^comparison with run\.ts/m)
+  // --same-window: each measurement also loaded by autocannon, and every ratio compared with its.
+  t.ok(result.measurements.every((m) => m.requests > 0 && m.autocannon !== null && m.autocannon.requests > 0 && m.autocannon.sliceRates.length === 1), 'each measurement loaded by both generators')
+  t.ok(result.measurements.filter((m) => m.scenario !== 'storm').every((m) => Object.keys(m.autocannon?.statusCodes ?? {}).every((code) => code.startsWith('2'))), "autocannon's fresh keys and replays answered 2xx")
+  t.same(result.autocannonRatios?.map((r) => r.name), result.ratios.map((r) => r.name), "autocannon's ratios: the same 19")
+  t.ok(result.autocannonRatios?.every((r) => typeof r.ratio === 'number' && typeof r.cpuRatio === 'number'), 'every one measured')
+  t.ok(result.sameWindow?.every((c, i) => c.wrk === result.ratios[i]!.ratio && c.autocannon === result.autocannonRatios![i]!.ratio && typeof c.difference === 'number'), 'compared ratio by ratio')
+  t.match(output, /^comparison with autocannon in the same slices: of req\/s, \d+ of 19 ratios agree/m)
 })
