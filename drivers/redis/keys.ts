@@ -35,5 +35,7 @@ export const FIELD = Object.freeze({
   status: 'status',
   headers: 'headers',
   /** Present only when the body was retained: its absence is the "not retained" (null body) marker. */
-  body: 'body'
+  body: 'body',
+  /** An in-flight marker's owner token (scripts.ts); a marker without one is nobody's to clear. */
+  owner: 'owner'
 })

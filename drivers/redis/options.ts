@@ -4,10 +4,12 @@ import { booleanOption, integerOption, MAX_TIMER_MS } from '../../lib/validate.j
 
 export interface RedisPrefilterOptions {
   /**
-   * An ioredis `Redis` or `Cluster`. It stays yours: the pre-filter defines its three scripts on it
+   * An ioredis `Redis` or `Cluster`. It stays yours: the pre-filter defines its four scripts on it
    * (once, see scripts.ts) and never quits it. For the fail-open promise to hold during an outage,
    * configure it not to queue commands forever (e.g. `enableOfflineQueue: false`); `timeout` bounds
-   * each call regardless.
+   * each call regardless. A command whose answer was lost with its connection may run again when
+   * ioredis sends it on the next one (`autoResendUnfulfilledCommands`, a Cluster's retries): the
+   * scripts expect it, and a request's markers carry its token so that it knows them for its own.
    */
   client: Redis | Cluster
   /**

@@ -1,3 +1,4 @@
+import { randomUUID } from 'node:crypto'
 import type { IdempotencyPrefilter, PrefilterHit } from '../../lib/prefilter.js'
 import type { Fingerprint, RecordId, StoredResponse } from '../../lib/store.js'
 import { PrefilterClosedError, PrefilterTimeoutError } from './errors.js'
@@ -8,9 +9,15 @@ import { COMMAND, defineScripts, type Done, type ScriptedCommands } from './scri
 import { Schedule, type Scheduled } from '../../lib/schedule.js'
 
 /**
- * The Redis pre-filter (issue 4): answers duplicates from Redis during retry storms and never
- * decides who executes. Every method is one command or one Lua script on one hash, bounded by
- * `timeout`; anything that goes wrong rejects, and the core reads a rejection as a miss.
+ * The Redis pre-filter: answers duplicates from Redis during retry storms and never decides who
+ * executes. Every method is one command or one Lua script on one hash, bounded by `timeout`;
+ * anything that goes wrong rejects, and the core reads a rejection as a miss.
+ *
+ * A RecordId object stands for one request: the core passes the same object to every call it makes
+ * for a request, and the in-flight markers a request writes carry a token drawn for that object
+ * (scripts.ts says why). A request's own marker never reads as another request in flight: its
+ * lookupOrMark reports it as marked, its lookup as a miss. A caller that marks and clears through
+ * two objects is two requests: the second does not clear the first's marker.
  */
 /** Counters of what the pre-filter did: how often it answered, and how often it fell through to the store. */
 export interface PrefilterStats {
@@ -68,16 +75,22 @@ export function redisPrefilter (options: RedisPrefilterOptions): RedisPrefilter 
     })
   }
 
-  /** The hash of each (scope, key): the core passes one RecordId object for all of a request's calls. */
-  const keys = new WeakMap<RecordId, string>()
-  const keyOf = (id: RecordId): string => {
-    let key = keys.get(id)
-    if (key === undefined) {
-      key = recordKey(prefix, id)
-      keys.set(id, key)
+  /**
+   * What is kept of each request, by its RecordId (one object for all of a request's calls): the
+   * hash of its (scope, key), and its owner token once it marks. The token lives as long as the
+   * object, so a command ioredis sends again carries the one its first delivery carried.
+   */
+  const callers = new WeakMap<RecordId, Caller>()
+  const callerOf = (id: RecordId): Caller => {
+    let caller = callers.get(id)
+    if (caller === undefined) {
+      caller = { key: recordKey(prefix, id), owner: null }
+      callers.set(id, caller)
     }
-    return key
+    return caller
   }
+  /** The request's token, drawn by its first marking call: 122 random bits, unique among requests. */
+  const ownerOf = (caller: Caller): string => (caller.owner ??= randomUUID())
 
   const counted = (hit: PrefilterHit | null): PrefilterHit | null => {
     if (hit === null) stats.misses++
@@ -86,9 +99,15 @@ export function redisPrefilter (options: RedisPrefilterOptions): RedisPrefilter 
   }
 
   async function lookup (id: RecordId): Promise<PrefilterHit | null> {
+    const caller = callerOf(id)
     // One HGETALL is atomic: a half-written record can never be seen (scripts write in one go).
     // The Buffer variant keeps digests and bodies byte-identical.
-    return counted(parseHit(await bounded<Record<string, Buffer>>('lookup', (redis, done) => redis.hgetallBuffer(keyOf(id), done))))
+    const fields = await bounded<Record<string, Buffer>>('lookup', (redis, done) => redis.hgetallBuffer(caller.key, done))
+    // The caller's own marker tells it nothing about another request: a miss, as lookupOrMark
+    // reports it (a request must never wait on itself).
+    if (caller.owner !== null && fields[FIELD.state]?.toString() === 'in_progress' &&
+        fields[FIELD.owner]?.toString() === caller.owner) return counted(null)
+    return counted(parseHit(fields))
   }
 
   return {
@@ -98,8 +117,11 @@ export function redisPrefilter (options: RedisPrefilterOptions): RedisPrefilter 
       const ttl = ttlOf('lookupOrMark', ttlMs)
       // A lease too short to hold a marker: a plain lookup (holding no marker is the safe side).
       if (ttl === 0) return { hit: await lookup(id), marked: false }
+      const caller = callerOf(id)
+      const owner = ownerOf(caller)
       const pairs = await bounded<Buffer[]>('lookupOrMark', (redis, done) =>
-        redis[COMMAND.lookupOrMarkBuffer](keyOf(id), fingerprint.algorithm, fingerprint.digest, ttl, done))
+        redis[COMMAND.lookupOrMarkBuffer](caller.key, fingerprint.algorithm, fingerprint.digest, ttl, owner, done))
+      // Empty: the marker is the caller's, written now or by a first delivery whose answer was lost.
       if (pairs.length === 0) {
         stats.misses++
         return { hit: null, marked: true }
@@ -112,12 +134,19 @@ export function redisPrefilter (options: RedisPrefilterOptions): RedisPrefilter 
     async markInFlight (id, fingerprint, ttlMs) {
       const ttl = ttlOf('markInFlight', ttlMs)
       if (ttl === 0) return // nothing would outlive the lease: holding no marker is the safe side
+      const caller = callerOf(id)
+      const owner = ownerOf(caller)
       await bounded('markInFlight', (redis, done) =>
-        redis[COMMAND.mark](keyOf(id), fingerprint.algorithm, fingerprint.digest, ttl, done))
+        redis[COMMAND.mark](caller.key, fingerprint.algorithm, fingerprint.digest, ttl, owner, done))
     },
 
     async clearInFlight (id) {
-      await bounded('clearInFlight', (redis, done) => redis[COMMAND.clear](keyOf(id), done))
+      if (closed) throw new PrefilterClosedError('clearInFlight')
+      const caller = callerOf(id)
+      // No token: the request never wrote a marker, so none is its to clear (and a round trip saved).
+      const owner = caller.owner
+      if (owner === null) return
+      await bounded('clearInFlight', (redis, done) => redis[COMMAND.clear](caller.key, owner, done))
     },
 
     async remember (id, fingerprint, response, ttlMs) {
@@ -125,7 +154,7 @@ export function redisPrefilter (options: RedisPrefilterOptions): RedisPrefilter 
       if (ttl === 0) return // the store's record is about to expire: a copy must not outlive it
       const retained = response.body !== null
       await bounded('remember', (redis, done) => redis[COMMAND.remember](
-        keyOf(id), fingerprint.algorithm, fingerprint.digest, response.statusCode,
+        callerOf(id).key, fingerprint.algorithm, fingerprint.digest, response.statusCode,
         JSON.stringify(response.headers), retained ? '1' : '0', response.body ?? EMPTY, ttl, done))
     },
 
@@ -141,6 +170,14 @@ export function redisPrefilter (options: RedisPrefilterOptions): RedisPrefilter 
 }
 
 const EMPTY = Buffer.alloc(0)
+
+/** What the pre-filter keeps of one request (one RecordId object). */
+interface Caller {
+  /** The Redis key of its (scope, key): keys.ts. */
+  readonly key: string
+  /** The token its markers carry; null until it marks. */
+  owner: string | null
+}
 
 /** An operation waiting for its reply, in the deadline schedule. */
 interface Waiting extends Scheduled {

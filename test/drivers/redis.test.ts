@@ -5,7 +5,7 @@ import t, { type Test } from 'tap'
 import { InvalidOptionError } from '../../lib/errors.js'
 import type { IdempotencyPrefilter } from '../../lib/prefilter.js'
 import type { Fingerprint, RecordId, StoredResponse } from '../../lib/store.js'
-import { redisPrefilter } from '../../drivers/redis/index.js'
+import { redisPrefilter, type RedisPrefilter } from '../../drivers/redis/index.js'
 import { recordKey } from '../../drivers/redis/keys.js'
 import { pipelining } from '../../drivers/redis/pipelining.js'
 
@@ -61,7 +61,7 @@ if (REDIS_URL === '' || CLUSTER_NODES === '') {
 }
 
 function suite (t: Test, client: Redis | Cluster): void {
-  const make = (): { pf: IdempotencyPrefilter, prefix: string } => {
+  const make = (): { pf: RedisPrefilter, prefix: string } => {
     const prefix = newPrefix()
     return { pf: redisPrefilter({ client, prefix, timeout: 2000 }), prefix }
   }
@@ -137,15 +137,126 @@ function suite (t: Test, client: Redis | Cluster): void {
     t.ok(hit?.fingerprint.digest.equals(A.digest))
   })
 
-  t.test('clearInFlight removes a marker, not a completed record', async (t) => {
+  t.test('clearInFlight removes the request\'s marker, not a completed record', async (t) => {
     const { pf } = make()
-    await pf.markInFlight(id('marker'), A, LONG)
-    await pf.clearInFlight(id('marker'))
+    const marker = id('marker') // one request: one RecordId for all its calls, as the core passes
+    await pf.markInFlight(marker, A, LONG)
+    await pf.clearInFlight(marker)
     t.equal(await pf.lookup(id('marker')), null)
-    await pf.remember(id('done'), A, RESPONSE, LONG)
-    await pf.clearInFlight(id('done'))
+    const done = id('done')
+    await pf.markInFlight(done, A, LONG)
+    await pf.remember(done, A, RESPONSE, LONG)
+    await pf.clearInFlight(done)
     t.equal((await pf.lookup(id('done')))?.state, 'completed')
-    await pf.clearInFlight(id('absent')) // nothing there: no error
+    const absent = id('absent')
+    await pf.markInFlight(absent, A, 1)
+    await sleep(10)
+    await pf.clearInFlight(absent) // its marker expired: nothing there, no error
+    await pf.clearInFlight(id('never')) // a request that never marked: nothing of its own to clear
+  })
+
+  t.test('markers name their owner: each request knows its own, and clears only its own', async (t) => {
+    const { pf, prefix } = make()
+    const lookupOrMark = pf.lookupOrMark as NonNullable<IdempotencyPrefilter['lookupOrMark']>
+    const owner = (key: string): Promise<string | null> => client.hget(recordKey(prefix, id(key)), 'owner')
+    /** The marker's state and owner, as Redis holds them. */
+    const marker = (key: string): Promise<Array<string | null>> => client.hmget(recordKey(prefix, id(key)), 'state', 'owner')
+
+    t.test('lookupOrMark finding the request\'s own marker: marked, no hit, nothing rewritten', async (t) => {
+      const request = id('own')
+      const { hits, misses } = pf.stats
+      t.same(await lookupOrMark(request, A, LONG), { hit: null, marked: true })
+      const token = await owner('own')
+      t.ok(token !== null && token.length >= 32, 'the marker carries a token')
+      const pttl = await client.pttl(recordKey(prefix, request))
+      t.same(await lookupOrMark(request, fp('other'), LONG), { hit: null, marked: true }, 'its own marker, whatever it is asked with')
+      t.same([pf.stats.hits, pf.stats.misses], [hits, misses + 2], 'counted as the misses they were, not as hits')
+      t.equal(await owner('own'), token, 'same token')
+      const seen = await pf.lookup(id('own'))
+      t.ok(seen?.state === 'in_progress' && seen.fingerprint.digest.equals(A.digest), 'to another request, the first delivery\'s marker stands')
+      t.equal(await pf.lookup(request), null, 'the request\'s own lookup: a miss (it never waits on itself)')
+      t.ok(await client.pttl(recordKey(prefix, request)) <= pttl, 'its ttl still runs from when it was written')
+    })
+
+    t.test('markInFlight writes the request\'s token: its later lookupOrMark knows the marker', async (t) => {
+      const request = id('marked')
+      await pf.markInFlight(request, A, LONG)
+      const token = await owner('marked')
+      t.ok(token !== null)
+      t.same(await lookupOrMark(request, A, LONG), { hit: null, marked: true })
+      await pf.markInFlight(request, A, LONG)
+      t.equal(await owner('marked'), token, 'one request, one token')
+    })
+
+    t.test('another request\'s marker is a hit, and stays when this request clears', async (t) => {
+      const first = id('foreign')
+      const second = id('foreign')
+      t.same(await lookupOrMark(first, A, LONG), { hit: null, marked: true })
+      const token = await owner('foreign')
+      t.ok(token !== null, 'the first request\'s marker')
+      const looked = await lookupOrMark(second, A, LONG)
+      t.equal(looked.marked, false, 'nothing written over it')
+      t.ok(looked.hit?.state === 'in_progress' && looked.hit.fingerprint.digest.equals(A.digest), 'the other request in flight')
+      t.equal((await pf.lookup(second))?.state, 'in_progress', 'to its plain lookup too')
+      t.same(await marker('foreign'), ['in_progress', token])
+      await pf.clearInFlight(second) // it holds a token (its lookupOrMark drew one), not this marker's
+      t.same(await marker('foreign'), ['in_progress', token], 'the first request\'s marker stays')
+      await pf.markInFlight(second, A, 1) // the store handed it the key: its marker replaces the first's...
+      await sleep(10) // ...and expires
+      t.equal(await client.exists(recordKey(prefix, first)), 0)
+      await pf.markInFlight(first, A, LONG)
+      await pf.clearInFlight(second)
+      t.same(await marker('foreign'), ['in_progress', token], 'a request whose marker expired leaves the one there now')
+      await pf.clearInFlight(first)
+      t.equal(await client.exists(recordKey(prefix, first)), 0, 'its owner clears it')
+    })
+
+    t.test('a request the store hands the key to marks over another request\'s marker, which then is its own', async (t) => {
+      const stale = id('takeover')
+      const taker = id('takeover')
+      await pf.markInFlight(stale, A, LONG)
+      await pf.markInFlight(taker, A, LONG)
+      t.same(await lookupOrMark(taker, A, LONG), { hit: null, marked: true }, 'the new owner\'s')
+      await pf.clearInFlight(stale)
+      t.equal((await pf.lookup(id('takeover')))?.state, 'in_progress', 'the former owner cannot clear it')
+      await pf.clearInFlight(taker)
+      t.equal(await pf.lookup(id('takeover')), null)
+    })
+
+    t.test('a marker without an owner (an earlier version\'s) is another request\'s', async (t) => {
+      const key = recordKey(prefix, id('legacy'))
+      await client.hset(key, 'state', 'in_progress', 'alg', A.algorithm, 'digest', A.digest)
+      await client.pexpire(key, LONG)
+      const request = id('legacy')
+      const looked = await lookupOrMark(request, A, LONG)
+      t.equal(looked.marked, false, 'not taken for the caller\'s')
+      t.equal(looked.hit?.state, 'in_progress', 'a request in flight')
+      await pf.clearInFlight(request) // the request holds a token, which is not the marker's
+      const left = await client.hgetallBuffer(key)
+      t.same(Object.keys(left).sort(), ['alg', 'digest', 'state'], 'left alone: still without an owner')
+      t.ok(left.state?.toString() === 'in_progress' && left.digest?.equals(A.digest), 'and still the same marker')
+      t.ok(await client.pttl(key) > 0, 'its ttl ends it')
+    })
+
+    t.test('a completed copy is left alone by a clear, whoever clears', async (t) => {
+      const request = id('completed')
+      t.same(await lookupOrMark(request, A, LONG), { hit: null, marked: true })
+      await pf.remember(id('completed'), A, RESPONSE, LONG) // another request's copy replaces the marker
+      await pf.clearInFlight(request)
+      const hit = await pf.lookup(id('completed'))
+      t.ok(hit?.state === 'completed' && hit.response.body?.equals(binary), 'still replays')
+      t.equal(await owner('completed'), null, 'a copy names no owner')
+      const looked = await lookupOrMark(request, A, LONG)
+      t.ok(looked.hit?.state === 'completed' && !looked.marked, 'and is what the request\'s next look finds')
+    })
+
+    t.test('remember replaces any marker, its own or another request\'s', async (t) => {
+      for (const [key, writer] of [['mine', id('mine')], ['theirs', id('theirs')]] as const) {
+        await pf.markInFlight(writer, A, LONG)
+        await pf.remember(key === 'mine' ? writer : id(key), A, RESPONSE, LONG)
+        t.equal((await pf.lookup(id(key)))?.state, 'completed', key)
+      }
+    })
   })
 
   t.test('TTLs bound the marker and the record, which then disappear', async (t) => {
@@ -217,6 +328,7 @@ function suite (t: Test, client: Redis | Cluster): void {
     const { pf } = make()
     await pf.close()
     await t.rejects(pf.lookup(id('k')), { code: 'FST_IDEMPOTENCY_PREFILTER_CLOSED' })
+    await t.rejects(pf.clearInFlight(id('k')), { code: 'FST_IDEMPOTENCY_PREFILTER_CLOSED' }, 'a clear too, with or without a marker of its own')
     t.equal(await client.ping(), 'PONG')
   })
 }
@@ -367,11 +479,12 @@ function standaloneOnly (t: Test, client: Redis): void {
     const { proxy, slow } = await slowClient(t)
     const pf = redisPrefilter({ client: slow, prefix: newPrefix(), timeout: 50 })
     proxy.delay = 300
+    const request: RecordId = { scope: 's', key: 'k' } // marks, so that its clear is sent
     const operations: Array<[string, () => Promise<unknown>]> = [
-      ['lookup', () => pf.lookup({ scope: 's', key: 'k' })],
-      ['markInFlight', () => pf.markInFlight({ scope: 's', key: 'k' }, A, LONG)],
-      ['clearInFlight', () => pf.clearInFlight({ scope: 's', key: 'k' })],
-      ['remember', () => pf.remember({ scope: 's', key: 'k' }, A, RESPONSE, LONG)]
+      ['lookup', () => pf.lookup(request)],
+      ['markInFlight', () => pf.markInFlight(request, A, LONG)],
+      ['clearInFlight', () => pf.clearInFlight(request)],
+      ['remember', () => pf.remember(request, A, RESPONSE, LONG)]
     ]
     for (const [name, run] of operations) {
       const started = Date.now()
@@ -425,11 +538,12 @@ function standaloneOnly (t: Test, client: Redis): void {
     t.teardown(() => dead.disconnect())
     await dead.connect().catch(() => {})
     const pf = redisPrefilter({ client: dead, prefix: newPrefix(), timeout: 1000 })
+    const request: RecordId = { scope: 's', key: 'k' } // marks, so that its clear is sent
     const runs: Array<() => Promise<unknown>> = [
-      () => pf.lookup({ scope: 's', key: 'k' }),
-      () => pf.markInFlight({ scope: 's', key: 'k' }, A, LONG),
-      () => pf.clearInFlight({ scope: 's', key: 'k' }),
-      () => pf.remember({ scope: 's', key: 'k' }, A, RESPONSE, LONG)
+      () => pf.lookup(request),
+      () => pf.markInFlight(request, A, LONG),
+      () => pf.clearInFlight(request),
+      () => pf.remember(request, A, RESPONSE, LONG)
     ]
     for (const run of runs) {
       const started = Date.now()
@@ -449,7 +563,7 @@ function clusterOnly (t: Test, cluster: Cluster): void {
     for (let i = 0; i < 30; i++) {
       const record = { scope: `tenant-${i % 3}`, key: `key-${i}` }
       await pf.markInFlight(record, A, LONG)
-      t.equal((await pf.lookup(record))?.state, 'in_progress')
+      t.equal((await pf.lookup({ ...record }))?.state, 'in_progress', 'another request sees the marker')
       await pf.clearInFlight(record)
       await pf.markInFlight(record, A, LONG)
       await pf.remember(record, A, RESPONSE, LONG)
