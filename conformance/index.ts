@@ -1,6 +1,6 @@
 import assert from 'node:assert/strict'
 import { createHash, randomUUID } from 'node:crypto'
-import type { Fingerprint, IdempotencyStore, StoredResponse } from '../lib/store.js'
+import type { ClaimResult, Fingerprint, IdempotencyStore, StoredResponse } from '../lib/store.js'
 
 /**
  * Registers one test. node:test's `test` fits as it is; with tap, pass `(name, fn) => t.test(name, fn)`.
@@ -19,6 +19,9 @@ export interface ConformanceOptions {
  * tests a driver's own test file registers with its runner. It imports no test framework, so a
  * third-party driver runs it with node:test, tap or anything with a `test(name, fn)`. Times are
  * real and short (a driver may measure them on a database clock that a test cannot move).
+ *
+ * An operation may answer its result directly or a promise of it (lib/store.ts, `Answer`): the
+ * suite awaits every answer, which takes both, and never calls `.then` on one.
  */
 export function runConformance (options: ConformanceOptions): void {
   const { test, makeStore } = options
@@ -32,6 +35,8 @@ export function runConformance (options: ConformanceOptions): void {
     body: Buffer.from('{"id":"pay_1","amount":100}')
   }
   const sleep = (ms: number): Promise<void> => new Promise((resolve) => setTimeout(resolve, ms))
+  const isThenable = (value: unknown): boolean =>
+    value !== null && (typeof value === 'object' || typeof value === 'function') && typeof (value as { then?: unknown }).then === 'function'
   const fresh = (): string => `key-${randomUUID()}`
 
   /** Each case gets a fresh store, closed whatever the case's outcome. */
@@ -141,6 +146,61 @@ export function runConformance (options: ConformanceOptions): void {
     assert.equal(await store.complete(takeover.lease, response, LONG), true)
     const record = await store.get({ scope: 's', key })
     assert.equal(record?.state === 'completed' ? record.response.statusCode : null, 201, "the new owner's record stands")
+  })
+
+  // How the plugin gives back a takeover whose answer came too late to be used: the record must stay
+  // (a release would drop its steps, and a retry would repeat their effects), and must not wait out
+  // the lease it was granted (a retry would get 409 for nothing until then).
+  withStore('renew with leaseMs 0 gives the lease up at once: the record stays in progress, with its steps, and the same request takes it over', async (store) => {
+    const key = fresh()
+    const claim = await store.claim({ scope: 's', key, fingerprint: A, leaseMs: LONG, ttlMs: LONG })
+    if (claim.outcome !== 'acquired') assert.fail('not acquired')
+    const { saveStep, loadSteps } = store
+    const steps = saveStep !== undefined && loadSteps !== undefined
+    if (steps) assert.equal(await saveStep.call(store, claim.lease, 'charge', '{"id":"ch_1"}'), true)
+    assert.equal(await store.renew(claim.lease, 0), true)
+    const record = await store.get({ scope: 's', key })
+    assert.equal(record?.state, 'in_progress', 'the record stays')
+    if (record?.state === 'in_progress') assert.equal(record.leaseRemainingMs, 0, 'its lease is over')
+    const other = await store.claim({ scope: 's', key, fingerprint: B, leaseMs: LONG, ttlMs: LONG })
+    assert.equal(other.outcome, 'in_progress', 'another request does not take it over')
+    const takeover = await store.claim({ scope: 's', key, fingerprint: A, leaseMs: LONG, ttlMs: LONG })
+    assert.equal(takeover.outcome, 'acquired', 'the same request takes it over at once, not after the lease it was granted')
+    if (takeover.outcome !== 'acquired') return
+    assert.equal(takeover.takeover, true)
+    if (steps) assert.deepEqual(await loadSteps.call(store, takeover.lease), { charge: { id: 'ch_1' } }, 'with its steps')
+    assert.equal(await store.renew(claim.lease, LONG), false, 'the owner that gave it up is fenced out')
+    assert.equal(await store.complete(takeover.lease, response, LONG), true)
+  })
+
+  withStore('operations answer their result directly or as a promise of it; a result answered directly is already in effect', async (store) => {
+    const key = fresh()
+    const request = { scope: 's', key, fingerprint: A, leaseMs: LONG, ttlMs: LONG }
+    // Taken as the plugin takes an answer: a thenable is awaited, anything else is the result.
+    const answer = store.claim(request)
+    const claim = await answer
+    assert.ok(typeof claim === 'object' && claim !== null && !isThenable(claim), 'a claim result is a plain object, not a thenable')
+    if (claim.outcome !== 'acquired') assert.fail('not acquired')
+    const direct = !isThenable(answer)
+    if (direct) {
+      // Nothing ran in between: what the answer says must already be so.
+      const again = store.claim(request)
+      assert.ok(!isThenable(again), 'a store that answers a claim directly answers the next one directly too')
+      assert.equal((again as ClaimResult).outcome, 'in_progress', 'the record existed when the first claim answered')
+    }
+    assert.equal(await store.renew(claim.lease, LONG), true)
+    const completed = store.complete(claim.lease, response, LONG)
+    if (direct && !isThenable(completed)) {
+      assert.equal(completed, true)
+      assert.equal((store.claim(request) as ClaimResult).outcome, 'completed', 'the response was recorded when complete answered')
+    }
+    assert.equal(await completed, true, 'complete answers a boolean')
+    assert.equal(await store.release(claim.lease), false, 'release answers a boolean, also when the answer is no')
+    if (typeof store.hold === 'function') {
+      const held = await store.claim({ ...request, key: fresh() })
+      if (held.outcome !== 'acquired') assert.fail('not acquired')
+      assert.equal(await store.hold(held.lease), true, 'hold answers a boolean')
+    }
   })
 
   withStore('renew keeps a running owner from being taken over', async (store) => {

@@ -6,7 +6,7 @@
  * slab (at an offset its row in the table holds, memory-table.ts), and identical header sets share
  * one frozen object.
  *
- * Sharing must not hold memory the store does not count (issue 16): a slab lives as long as its
+ * Sharing must not hold memory the store does not count: a slab lives as long as its
  * longest-lived record, and an interned header set as long as the table keeps it. So slabs are
  * shared only by records of one ttl, which expire in the order they were written, and slabs and
  * header sets are counted by reference and go with their last record.
@@ -95,6 +95,15 @@ export class Slabs {
     return offset
   }
 
+  /**
+   * Whether `pack(length, ttlMs)` would put the record in a shared slab (else in memory of its own),
+   * changing nothing: the store counts a record before it records it.
+   */
+  packsInSlab (length: number, ttlMs: number): boolean {
+    if (length > SLAB_RECORD_LIMIT) return false
+    return ttlMs === this.#lastTtl || this.#cohorts.has(ttlMs) || this.#cohorts.size < COHORTS
+  }
+
   /** One reference fewer: the last one frees the buffer (for the GC) and its id (for reuse). */
   release (id: number): void {
     const refs = (this.#refs[id] as number) - 1
@@ -141,8 +150,8 @@ export type Headers = Readonly<Record<string, string | readonly string[]>>
 
 /**
  * A recorded header set, frozen deep down: its arrays are copies of the caller's, frozen too, so
- * neither the caller that recorded it nor one that read it can change a record (issue 16: an app
- * hook appending to a replayed header array in place changed other tenants' replays). Shared by
+ * neither the caller that recorded it nor one that read it can change a record (an app hook that
+ * appends to a replayed header array in place must not change other tenants' replays). Shared by
  * every record with identical headers while it is interned.
  */
 export class HeaderSet {

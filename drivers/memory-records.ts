@@ -8,21 +8,21 @@ import { PendingIndex } from './memory-pending.js'
  * its scope into one string (`${scope.length}:${scope}${key}`): a string of its own per record, a
  * rope of three that V8 flattened on every lookup. Scopes are few and shared.
  *
- * A scope's bucket also carries what the scope holds (its records and bytes), so the store can bound
- * each scope to its share (issue 16: one tenant must not fill the store for every tenant) with a
- * counter read per claim, not a scan. A record in progress points at its bucket (in place of its
- * scope string: no extra field), so deleting a record needs no lookup of its scope.
+ * A scope's bucket also carries what the scope holds (its records and bytes), so the store can keep
+ * each scope's share for it (one tenant must not fill the store for every tenant) with counters read
+ * per claim, not a scan. A record in progress points at its bucket (in place of its scope string: no
+ * extra field), so deleting a record needs no lookup of its scope.
  */
 
 /** One scope's records and what they hold. */
 export class Bucket<E> {
   /** Its records in progress, by key (not a Map: memory-pending.ts says why). */
   readonly pending = new PendingIndex<E>()
-  /** Its records, in progress and completed: what `maxEntriesPerScope` bounds. */
+  /** Its records, in progress and completed: what `maxEntriesPerScope` is compared with. */
   records = 0
-  /** Bytes the scope's records hold, counted as the store counts them against `maxBytesPerScope`. */
+  /** Bytes the scope's records hold, counted as the store counts them against `maxBytes` and `maxBytesPerScope`. */
   bytes = 0
-  /** When the scope's own expired records were last swept to make room in its share (ms). */
+  /** When the scope's own expired records were last swept to make room for it (ms). */
   lastPurge = -Infinity
   /** What the table's rows name it by while it holds records; -1 before its first and after its last. */
   id = -1
@@ -47,9 +47,20 @@ export class Buckets<E> {
   readonly #byId: Array<Bucket<E> | null> = []
   readonly #freeIds: number[] = []
   #records = 0
+  #recordsWithinShares = 0
+
+  /** `share`: the records each scope is guaranteed (the store's `maxEntriesPerScope`). */
+  constructor (readonly share: number) {}
 
   /** Records of every scope, in progress and completed. */
   get records (): number { return this.#records }
+
+  /**
+   * The sum over scopes of their records up to their share (`min(records, share)`): what the scopes
+   * holding records use of their shares, so the room they may still claim within them is
+   * `scopes * share - recordsWithinShares`, known without a scan.
+   */
+  get recordsWithinShares (): number { return this.#recordsWithinShares }
 
   /** How many scopes hold at least one record. */
   get scopes (): number { return this.#scopes.size }
@@ -71,6 +82,7 @@ export class Buckets<E> {
   /** One more record in `bucket` (from `bucketOf`): its first registers it, and gives it an id. */
   added (bucket: Bucket<E>): void {
     // A bucket whose last record went (a purge while this claim made room) is registered again.
+    if (bucket.records < this.share) this.#recordsWithinShares++
     if (bucket.records++ === 0) {
       bucket.id = this.#freeIds.pop() ?? this.#byId.length
       this.#byId[bucket.id] = bucket
@@ -82,6 +94,7 @@ export class Buckets<E> {
   /** One record fewer in `bucket`. A scope's bucket goes with its last record: scopes come and go (tenants), they must not pile up. */
   removed (bucket: Bucket<E>): void {
     this.#records--
+    if (bucket.records <= this.share) this.#recordsWithinShares--
     if (--bucket.records > 0) return
     if (this.#scopes.get(bucket.scope) === bucket) this.#scopes.delete(bucket.scope)
     // No row names it any more: the id can name another scope.
@@ -100,5 +113,6 @@ export class Buckets<E> {
     this.#byId.length = 0
     this.#freeIds.length = 0
     this.#records = 0
+    this.#recordsWithinShares = 0
   }
 }

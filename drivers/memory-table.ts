@@ -6,8 +6,8 @@ import { freeSlot, NONE, slotOf, unindex } from './memory-slots.js'
 export { NONE }
 
 /**
- * The memory store's completed records, packed outside the JS heap (issue 14: a million completed
- * records filled through the plugin in at most 500 MB). As JS objects they cost about 300 heap bytes
+ * The memory store's completed records, packed outside the JS heap (a million completed records,
+ * filled through the plugin, must fit in 500 MB). As JS objects they cost about 300 heap bytes
  * each (an object of twenty fields, boxed doubles, a key string, a Map slot) on top of their bytes,
  * and a heap that large stayed large: a million requests' garbage promoted around them left 669 MiB
  * of heap committed for 303 in use. Here a record is a row of numbers in two typed arrays, and its
@@ -129,11 +129,8 @@ export class CompletedTable {
   insert (bucket: number, key: string, digest: Buffer, response: CompletedResponse, headers: number, algorithm: number,
     indeterminate: boolean, createdAt: number, expiresAt: number, ttlMs: number): number {
     if (this.#size === this.#capacity) this.#resize(Math.max(this.#size + 1, Math.min(this.#capacity * 2, this.#maxCapacity)))
-    let wide = false
-    for (let i = 0; i < key.length; i++) {
-      if (key.charCodeAt(i) > 0xff) { wide = true; break }
-    }
-    const keyBytes = wide ? key.length * 2 : key.length
+    const keyBytes = keyBytesOf(key)
+    const wide = keyBytes !== key.length
     const body = response.body
     const slabs = this.#slabs
     const offset = slabs.pack(keyBytes + digest.length + (body === null ? 0 : body.length), ttlMs)
@@ -235,6 +232,15 @@ export class CompletedTable {
     return (this.#keyBytes(row) + (ints[row + DIGEST] as number) + (body === NOT_RETAINED ? 0 : body) + 7) & ~7
   }
 
+  /**
+   * What `heldBytes` will say of a record inserted now whose key, digest and body take `length`
+   * bytes (`keyBytesOf` for the key) and whose ttl is `ttlMs`: the store counts a record before it
+   * records it, so that a record that would not fit is never held, even for a moment.
+   */
+  heldBytesFor (length: number, ttlMs: number): number {
+    return this.#slabs.packsInSlab(length, ttlMs) ? (length + 7) & ~7 : OWN_BUFFER_OVERHEAD + length
+  }
+
   /** The ids of `bucket`'s records expired by `at`, highest first: the order to delete them in (see `delete`). */
   expiredIn (bucket: number, at: number): number[] {
     const expired: number[] = []
@@ -330,6 +336,26 @@ export class CompletedTable {
     this.#mask = slots - 1
     for (let id = 0; id < this.#size; id++) this.#index[freeSlot(this.#index, this.#mask, ints[id * INTS + HASH] as number)] = id
   }
+}
+
+/**
+ * The bytes a key takes in a record: one per character when every character fits Latin-1, else two
+ * (UTF-16, see `insert`).
+ */
+export function keyBytesOf (key: string): number {
+  for (let i = 0; i < key.length; i++) {
+    if (key.charCodeAt(i) > 0xff) return key.length * 2
+  }
+  return key.length
+}
+
+/**
+ * What a record whose key, digest and body take `length` bytes holds in slabs at most, wherever it
+ * is packed: in memory of its own it holds that memory and its overhead, more than its aligned share
+ * of a slab (at most 7 bytes of padding).
+ */
+export function heldBytesAtMost (length: number): number {
+  return OWN_BUFFER_OVERHEAD + length
 }
 
 /**

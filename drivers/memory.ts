@@ -2,28 +2,56 @@ import { randomUUID } from 'node:crypto'
 import { fingerprintsEqual } from '../lib/fingerprint.js'
 import { HeaderSets, Names } from './memory-packing.js'
 import { Buckets, compactKey, type Bucket } from './memory-records.js'
-import { CompletedTable, NONE, ROW_BYTES } from './memory-table.js'
+import { CompletedTable, heldBytesAtMost, keyBytesOf, NONE, ROW_BYTES } from './memory-table.js'
 import { InvalidOptionError } from '../lib/errors.js'
 import { integerOption, MAX_TIMER_MS } from '../lib/validate.js'
 import type { InspectedRecord, RecoveryTools } from '../lib/admin.js'
 import { reconcileWith, startReconcilerWith, type ReconcileOptions, type ReconcilerOptions, type ReconcileSource } from '../lib/reconcile.js'
 import type {
-  ClaimRequest, ClaimResult, Fingerprint, IdempotencyStore, Lease, RecordId, StepResults, StoredRecord, StoredResponse, SyncOperations
+  ClaimRequest, ClaimResult, Fingerprint, IdempotencyStore, Lease, RecordId, StepResults, StoredRecord, StoredResponse
 } from '../lib/store.js'
 
 export interface MemoryStoreOptions {
-  /** Most records held at once; when full (after dropping expired ones) new claims are refused. @defaultValue 1_000_000 */
+  /**
+   * Most records held at once, in progress and completed; never exceeded. When it is reached (after
+   * dropping expired records) new claims are refused with MemoryStoreFullError (the plugin answers
+   * 503); no live record is ever dropped to make room, since its operation could then run again.
+   * @defaultValue 1_000_000
+   */
   maxEntries?: number
-  /** Approximate bytes of keys, headers and bodies held at once; same refusal when exceeded. @defaultValue 805_306_368 (768 MiB: room for the default maxEntries of small records) */
+  /**
+   * Approximate bytes held at once (keys, fingerprints, headers, bodies, step results and each
+   * record's bookkeeping); never exceeded, at any moment. A claim counts what its record takes in
+   * progress or, if more, what it takes completed without its response, so recording an outcome
+   * always fits. A response that does not fit whole is recorded without its body and headers: a
+   * retry gets the 410 problem "response not retained" (as for a body over `maxResponseBytes`),
+   * never a second execution. A step result that does not fit is refused with MemoryStoreFullError
+   * (its effect happened: the plugin holds the key for the reconciler). New claims that do not fit
+   * are refused, as for `maxEntries`.
+   * @defaultValue 805_306_368 (768 MiB: room for the default maxEntries of small records)
+   */
   maxBytes?: number
   /**
-   * Most records one scope (tenant) holds at once; past it that scope's new claims are refused, and
-   * only that scope's, so one tenant cannot fill the store for every tenant. Set it to `maxEntries`
-   * to let one scope use the whole store (an unscoped app: every record is in the scope `''`).
+   * The records each scope (tenant) is guaranteed, so that one tenant cannot starve the others; it
+   * limits a scope only while other scopes compete for the room:
+   * - a scope below its share claims whenever the store has room;
+   * - a scope at its share goes on (borrows) only from room that no other scope holding records may
+   *   still claim within its own share: the store keeps free, for each of them, its share minus
+   *   what it holds. So one scope alone may use the whole store (an unscoped app, where every record
+   *   is in the scope `''`, is never refused before `maxEntries`), and a scope holding records is
+   *   never refused within its share because another scope borrowed.
+   * A scope refused because it holds its share gets MemoryStoreFullError with `scoped: true`.
+   * Not covered: a scope holding no records at all (a newcomer) that arrives after a borrower filled
+   * the store is refused until records expire: no live record is ever dropped to make room. Keep
+   * the store's bounds above what a borrower can fill in a ttl, or rate-limit each scope.
    * @defaultValue a quarter of maxEntries
    */
   maxEntriesPerScope?: number
-  /** Approximate bytes one scope holds at once; same refusal, for that scope only. @defaultValue a quarter of maxBytes */
+  /**
+   * The bytes each scope is guaranteed: the rule of `maxEntriesPerScope`, for bytes (claims,
+   * responses and step results alike).
+   * @defaultValue a quarter of maxBytes
+   */
   maxBytesPerScope?: number
   /** How often expired records are swept, in ms; 0 disables the timer (reads still honour expiry). @defaultValue 60_000 */
   purgeInterval?: number
@@ -40,28 +68,41 @@ export interface MemoryStoreUsage {
   readonly scopes: number
 }
 
-/** The memory store: the plugin's store contract, recovery points, and the operator tools. */
+/**
+ * The memory store: the plugin's store contract, recovery points, and the operator tools. Its
+ * records live in the process, so `claim`, `complete`, `release`, `renew` and `hold` answer directly
+ * (no promise), and throw where a store doing I/O would reject.
+ */
 export interface MemoryStore extends IdempotencyStore, RecoveryTools {
+  claim (request: ClaimRequest): ClaimResult
+  complete (lease: Lease, response: StoredResponse, ttlMs: number): boolean
+  release (lease: Lease): boolean
+  renew (lease: Lease, leaseMs: number): boolean
+  hold (lease: Lease): boolean
   loadSteps (lease: Lease): Promise<StepResults | null>
+  /** Rejects with MemoryStoreFullError when the result does not fit the byte bounds. */
   saveStep (lease: Lease, name: string, resultJson: string): Promise<boolean>
-  hold (lease: Lease): Promise<boolean>
   /** What the store holds now (records, counted bytes, scopes): for a gauge, or an alert before it is full. */
   usage (): MemoryStoreUsage
 }
 
 /**
- * Thrown by `claim` when the memory store, or the claiming scope's share of it, is full of
- * unexpired records: nothing live is ever dropped.
+ * Thrown by `claim` (and by `saveStep`, for a step result) when what it would add does not fit the
+ * memory store's bounds, or the rule of the scope's share (MemoryStoreOptions.maxEntriesPerScope):
+ * nothing live is ever dropped to make room.
  */
 export class MemoryStoreFullError extends Error {
   readonly code = 'FST_IDEMPOTENCY_MEMORY_STORE_FULL'
-  /** True when only the claiming scope was refused (it holds its share); false when the whole store is full. */
+  /**
+   * True when only this scope was refused: it holds its share, and the room left is kept for other
+   * scopes holding records, up to their shares. False when the whole store is full.
+   */
   readonly scoped: boolean
 
   constructor (limit: string, scoped = false) {
     super(scoped
-      ? `fastify-idempotency: this scope holds its share of the memory store (${limit}); no unexpired record is dropped, so its new keys are refused until its records expire (other scopes are served)`
-      : `fastify-idempotency: the memory store is full (${limit}); no unexpired record is dropped, so new keys are refused until records expire`)
+      ? `fastify-idempotency: this scope holds its share of the memory store (${limit}) and the room left is kept for other scopes' shares; no unexpired record is dropped, so this scope's new records are refused until records expire (other scopes are served)`
+      : `fastify-idempotency: the memory store is full (${limit}); no unexpired record is dropped, so new records are refused until records expire`)
     this.name = 'MemoryStoreFullError'
     this.scoped = scoped
   }
@@ -80,7 +121,10 @@ interface Pending {
   token: string
   leaseUntil: number
   expiresAt: number
-  /** Counted against maxBytes, and against its scope's maxBytesPerScope. */
+  /**
+   * Counted against maxBytes and its scope's share: the most of what it takes in progress and what
+   * it takes completed without its response (so its completion always fits), plus its steps.
+   */
   bytes: number
   /** Recorded step results (JSON text by name), or null before the first. */
   steps: Map<string, string> | null
@@ -108,31 +152,55 @@ const IN_PROGRESS_OVERHEAD = 160
  */
 const COMPLETED_OVERHEAD = 4 * ROW_BYTES
 const SWEEP_SLICE = 10_000
-/** The default per-scope bounds are this fraction of the store's: four tenants at their share fill it. */
+/** The default per-scope shares are this fraction of the store's bounds: four tenants at their share fill it. */
 const SCOPE_SHARE = 4
+/** A full scan for expired records at most this often (ms), so a store full of live records refuses quickly. */
+const PURGE_EVERY = 1000
+
+/** What `makeRoom` answers: room, or the bound that refuses. */
+const ROOM = 0
+const STORE_RECORDS = 1
+const STORE_BYTES = 2
+const SHARE_RECORDS = 3
+const SHARE_BYTES = 4
+type Refusal = typeof ROOM | typeof STORE_RECORDS | typeof STORE_BYTES | typeof SHARE_RECORDS | typeof SHARE_BYTES
+
+/** What `admits` answers. */
+const FITS = 0
+const OVER_CAPACITY = 1
+const OVER_SHARE = 2
+
+/** What a record completed without its response records: its status only (lib/store.ts, StoredResponse.body). */
+const NO_HEADERS: StoredResponse['headers'] = Object.freeze({})
 
 /**
  * The embedded default: one process, nothing to install. Every operation runs synchronously inside
  * one call, so claims are atomic with respect to each other within the process; it is not shared
  * between processes (use the Postgres driver for several instances).
+ *
+ * Its bounds hold for what it holds at every moment: each addition (a claim's record, a response, a
+ * step result) is admitted by `makeRoom` before it is made, in the same synchronous call, so
+ * concurrent requests cannot add up past them.
  */
 export function memoryStore (options: MemoryStoreOptions = {}): MemoryStore {
   const maxEntries = integerOption('memoryStore option "maxEntries"', options.maxEntries, 1_000_000, 1, Number.MAX_SAFE_INTEGER)
   const maxBytes = integerOption('memoryStore option "maxBytes"', options.maxBytes, 768 * 1024 * 1024, 1, Number.MAX_SAFE_INTEGER, 'bytes')
-  // Issue 16: with one global bound, a tenant that filled the store (768 requests of 1 MiB took
-  // 14 s) had every tenant answered 503 until its records expired. Each scope is bounded to a share.
+  // With one global bound, a tenant that fills the store (768 requests of 1 MiB take seconds) has
+  // every tenant answered 503 until its records expire: each scope is guaranteed a share.
   const maxEntriesPerScope = integerOption('memoryStore option "maxEntriesPerScope"', options.maxEntriesPerScope, Math.max(1, Math.floor(maxEntries / SCOPE_SHARE)), 1, Number.MAX_SAFE_INTEGER)
   const maxBytesPerScope = integerOption('memoryStore option "maxBytesPerScope"', options.maxBytesPerScope, Math.max(1, Math.floor(maxBytes / SCOPE_SHARE)), 1, Number.MAX_SAFE_INTEGER, 'bytes')
   const purgeInterval = integerOption('memoryStore option "purgeInterval"', options.purgeInterval, 60_000, 0, MAX_TIMER_MS, 'ms')
   const now = options.now ?? Date.now
   if (typeof now !== 'function') throw new InvalidOptionError('memoryStore option "now"', 'a function returning ms since the epoch', now)
 
-  const buckets = new Buckets<Pending>()
+  const buckets = new Buckets<Pending>(maxEntriesPerScope)
   // Never more completed records than maxEntries: the table need not grow past it.
   const table = new CompletedTable({ maxCapacity: maxEntries })
   const headerSets = new HeaderSets()
   const algorithms = new Names()
   let bytes = 0
+  /** The sum over scopes of their bytes up to their share: Buckets.recordsWithinShares, for bytes. */
+  let bytesWithinShares = 0
   let lastFullPurge = -Infinity
   let sweeping = false
   let closed = false
@@ -197,8 +265,10 @@ export function memoryStore (options: MemoryStoreOptions = {}): MemoryStore {
 
   /** Counts `size` more bytes (fewer when negative) for a scope and the store. */
   function count (bucket: Bucket<Pending>, size: number): void {
-    bucket.bytes += size
+    const before = bucket.bytes
+    bucket.bytes = before + size
     bytes += size
+    bytesWithinShares += Math.min(bucket.bytes, maxBytesPerScope) - Math.min(before, maxBytesPerScope)
   }
 
   /** Counts `size` more bytes (fewer when negative) for a record in progress, its scope and the store. */
@@ -213,31 +283,48 @@ export function memoryStore (options: MemoryStoreOptions = {}): MemoryStore {
   }
 
   /**
-   * Room for one more record of `bucket`'s scope, or a MemoryStoreFullError. Four counters on the
-   * hot path; a scan only when a bound is reached. No live record is ever dropped to make room (it
-   * would let its operation run again): not another scope's, and not the claiming scope's own.
+   * Whether `bucket`'s scope may add `records` records (0 or 1) and `size` bytes: ROOM, or the bound
+   * that refuses. A few counters on the hot path (a scope within its share, a store with room); a
+   * scan only when a bound refuses, at most once a second. No live record is ever dropped to make
+   * room (it would let its operation run again): not another scope's, and not the scope's own.
    */
-  function makeRoom (bucket: Bucket<Pending>, at: number): void {
-    if (buckets.records < maxEntries && bytes < maxBytes && bucket.records < maxEntriesPerScope && bucket.bytes < maxBytesPerScope) return
-    if (buckets.records >= maxEntries || bytes >= maxBytes) {
-      // A full scan at most once a second, so a store full of live records refuses quickly.
-      if (at - lastFullPurge >= 1000) {
-        lastFullPurge = at
-        purge(Infinity, at)
-      }
-      if (buckets.records >= maxEntries) throw new MemoryStoreFullError(`${maxEntries} records`)
-      if (bytes >= maxBytes) throw new MemoryStoreFullError(`${maxBytes} bytes`)
+  function makeRoom (bucket: Bucket<Pending>, records: number, size: number, at: number): Refusal {
+    if (bytes + size <= maxBytes && bucket.bytes + size <= maxBytesPerScope &&
+      (records === 0 || (buckets.records + records <= maxEntries && bucket.records + records <= maxEntriesPerScope))) return ROOM
+    let refused = refusalOf(bucket, records, size)
+    // A scope refused at its share first sweeps its own records (it pays for scanning what it
+    // holds, nobody else's); then, as a store without room, the whole store.
+    if ((refused === SHARE_RECORDS || refused === SHARE_BYTES) && at - bucket.lastPurge >= PURGE_EVERY) {
+      bucket.lastPurge = at
+      if (bucket.id >= 0) for (const id of table.expiredIn(bucket.id, at)) dropCompleted(id)
+      for (const entry of bucket.pending.values()) if (entry.expiresAt <= at) dropPending(entry)
+      refused = refusalOf(bucket, records, size)
     }
-    if (bucket.records >= maxEntriesPerScope || bucket.bytes >= maxBytesPerScope) {
-      // The scope's own records only, at most once a second per scope: a tenant at its share pays
-      // for scanning what it holds, and nobody else does.
-      if (at - bucket.lastPurge >= 1000) {
-        bucket.lastPurge = at
-        if (bucket.id >= 0) for (const id of table.expiredIn(bucket.id, at)) dropCompleted(id)
-        for (const entry of bucket.pending.values()) if (entry.expiresAt <= at) dropPending(entry)
-      }
-      if (bucket.records >= maxEntriesPerScope) throw new MemoryStoreFullError(`maxEntriesPerScope: ${maxEntriesPerScope} records`, true)
-      if (bucket.bytes >= maxBytesPerScope) throw new MemoryStoreFullError(`maxBytesPerScope: ${maxBytesPerScope} bytes`, true)
+    if (refused !== ROOM && at - lastFullPurge >= PURGE_EVERY) {
+      lastFullPurge = at
+      purge(Infinity, at)
+      refused = refusalOf(bucket, records, size)
+    }
+    return refused
+  }
+
+  /** `makeRoom`'s answer without a sweep: records first, then bytes (see `admits`). */
+  function refusalOf (bucket: Bucket<Pending>, records: number, size: number): Refusal {
+    const holds = bucket.records > 0
+    if (records > 0) {
+      const byRecords = admits(records, bucket.records, holds, buckets.records, maxEntries, maxEntriesPerScope, buckets.recordsWithinShares, buckets.scopes)
+      if (byRecords !== FITS) return byRecords === OVER_SHARE ? SHARE_RECORDS : STORE_RECORDS
+    }
+    const byBytes = admits(size, bucket.bytes, holds, bytes, maxBytes, maxBytesPerScope, bytesWithinShares, buckets.scopes)
+    return byBytes === FITS ? ROOM : byBytes === OVER_SHARE ? SHARE_BYTES : STORE_BYTES
+  }
+
+  function fullError (refused: Refusal): MemoryStoreFullError {
+    switch (refused) {
+      case STORE_RECORDS: return new MemoryStoreFullError(`${maxEntries} records`)
+      case STORE_BYTES: return new MemoryStoreFullError(`${maxBytes} bytes`)
+      case SHARE_RECORDS: return new MemoryStoreFullError(`maxEntriesPerScope: ${maxEntriesPerScope} records`, true)
+      default: return new MemoryStoreFullError(`maxBytesPerScope: ${maxBytesPerScope} bytes`, true)
     }
   }
 
@@ -354,8 +441,8 @@ export function memoryStore (options: MemoryStoreOptions = {}): MemoryStore {
         createdAt: new Date(entry.createdAt)
       }
     },
-    complete: (lease, response, ttlMs) => store.complete(lease, response, ttlMs),
-    release: (lease) => store.release(lease),
+    complete: async (lease, response, ttlMs) => complete(lease, response, ttlMs),
+    release: async (lease) => release(lease),
     async resume (lease, ttlMs) {
       const at = now()
       const entry = owned(lease, at)
@@ -375,7 +462,6 @@ export function memoryStore (options: MemoryStoreOptions = {}): MemoryStore {
     }
   }
 
-  // Every operation runs synchronously within one call; the plugin calls these directly (lib/store.ts).
   function claim (request: ClaimRequest): ClaimResult {
     const at = now()
     const bucket = buckets.bucketOf(request.scope)
@@ -390,7 +476,10 @@ export function memoryStore (options: MemoryStoreOptions = {}): MemoryStore {
         return { outcome: 'completed', fingerprint: completedFingerprint(id), response: completedResponse(id), expiresInMs: table.expiresAt(id) - at }
       }
     }
-    makeRoom(bucket, at)
+    const size = Math.max(IN_PROGRESS_OVERHEAD + (request.scope.length + request.key.length) * 2,
+      COMPLETED_OVERHEAD + heldBytesAtMost(keyBytesOf(request.key) + request.fingerprint.digest.length))
+    const refused = makeRoom(bucket, 1, size, at)
+    if (refused !== ROOM) throw fullError(refused)
     const token = randomUUID()
     const created: Pending = {
       bucket,
@@ -407,7 +496,7 @@ export function memoryStore (options: MemoryStoreOptions = {}): MemoryStore {
     outliveLease(created)
     buckets.added(bucket)
     bucket.pending.set(created.key, created)
-    countPending(created, IN_PROGRESS_OVERHEAD + (request.scope.length + request.key.length) * 2)
+    countPending(created, size)
     return { outcome: 'acquired', lease: { scope: request.scope, key: request.key, token }, takeover: false }
   }
 
@@ -429,9 +518,21 @@ export function memoryStore (options: MemoryStoreOptions = {}): MemoryStore {
     const entry = owned(lease, at)
     if (entry === undefined) return false
     const bucket = entry.bucket
-    const headers = headerSets.intern(response.headers)
+    const digest = entry.fingerprint.digest
+    let recorded = response
+    let headers = headerSets.intern(response.headers)
+    const size = COMPLETED_OVERHEAD + headers.bytes +
+      table.heldBytesFor(keyBytesOf(entry.key) + digest.length + (response.body === null ? 0 : response.body.length), ttlMs)
+    if (size > entry.bytes && makeRoom(bucket, 0, size - entry.bytes, at) !== ROOM) {
+      // The operation ran: refusing its outcome would let a retry run it again. So the outcome is
+      // recorded without its representation, which the claim counted room for; a retry gets the
+      // 410 problem "not retained", as for a body over maxResponseBytes.
+      headerSets.release(headers.id)
+      recorded = { statusCode: response.statusCode, headers: NO_HEADERS, body: null }
+      headers = headerSets.intern(NO_HEADERS)
+    }
     const algorithm = algorithms.intern(entry.fingerprint.algorithm)
-    const id = table.insert(bucket.id, entry.key, entry.fingerprint.digest, response, headers.id, algorithm,
+    const id = table.insert(bucket.id, entry.key, digest, recorded, headers.id, algorithm,
       entry.indeterminate, entry.createdAt, at + ttlMs, ttlMs)
     // From the bucket's index to the table: the scope holds as many records as before. Its steps go.
     bucket.pending.delete(entry.key)
@@ -446,20 +547,15 @@ export function memoryStore (options: MemoryStoreOptions = {}): MemoryStore {
     return true
   }
 
+  // Answered directly, not through promises: the plugin then goes on at once (lib/store.ts, Answer).
   const store: MemoryStore = {
-    async claim (request: ClaimRequest): Promise<ClaimResult> {
-      return claim(request)
-    },
+    claim,
+    complete,
+    release,
 
-    async complete (lease: Lease, response: StoredResponse, ttlMs: number): Promise<boolean> {
-      return complete(lease, response, ttlMs)
-    },
-
-    async release (lease: Lease): Promise<boolean> {
-      return release(lease)
-    },
-
-    async renew (lease: Lease, leaseMs: number): Promise<boolean> {
+    // leaseMs 0 gives the lease up: the lease has ended by the next claim, which takes the record
+    // over (with its steps) when it is the same request.
+    renew (lease: Lease, leaseMs: number): boolean {
       const at = now()
       const entry = owned(lease, at)
       if (entry === undefined) return false
@@ -484,15 +580,20 @@ export function memoryStore (options: MemoryStoreOptions = {}): MemoryStore {
     },
 
     async saveStep (lease: Lease, name: string, resultJson: string): Promise<boolean> {
-      const entry = owned(lease, now())
+      const at = now()
+      const entry = owned(lease, at)
       if (entry === undefined || entry.steps?.has(name) === true) return false
+      // Refused, not recorded past the bounds: the step's effect happened, and the plugin holds the
+      // key for the reconciler when its record cannot be written (never a lost lease).
+      const refused = makeRoom(entry.bucket, 0, (name.length + resultJson.length) * 2, at)
+      if (refused !== ROOM) throw fullError(refused)
       entry.steps ??= new Map()
       entry.steps.set(name, resultJson)
       countPending(entry, (name.length + resultJson.length) * 2)
       return true
     },
 
-    async hold (lease: Lease): Promise<boolean> {
+    hold (lease: Lease): boolean {
       const at = now()
       const entry = owned(lease, at)
       if (entry === undefined) return false
@@ -544,12 +645,32 @@ export function memoryStore (options: MemoryStoreOptions = {}): MemoryStore {
       headerSets.clear()
       algorithms.clear()
       bytes = 0
+      bytesWithinShares = 0
     }
   }
-  const sync: SyncOperations = { claim, complete, release }
-  Object.defineProperty(store, 'sync', { value: sync, enumerable: false })
   stores.add(store)
   return store
+}
+
+/**
+ * Whether a scope holding `used` of a quantity (records or bytes; `holds`: it holds records) may
+ * add `need` more, given the store's `total` of it, its `capacity`, each scope's guaranteed `share`,
+ * the sum over scopes of their use up to their share (`withinShares`), and how many scopes hold
+ * records (`holders`), in O(1): FITS, OVER_CAPACITY or OVER_SHARE (MemoryStoreOptions.maxEntriesPerScope):
+ * - never past the capacity;
+ * - within its share, whenever the store has room;
+ * - past its share (borrowing), only while the room left covers what every other scope holding
+ *   records may still claim within its share (`max(0, share - use)` each): their shares total
+ *   `others * share`, of which they use `othersWithin`.
+ * A claim that straddles the share is borrowing for its part beyond it, and the condition is then
+ * the same as for all of it.
+ */
+function admits (need: number, used: number, holds: boolean, total: number, capacity: number, share: number, withinShares: number, holders: number): number {
+  if (total + need > capacity) return OVER_CAPACITY
+  if (used + need <= share) return FITS
+  const others = holds ? holders - 1 : holders
+  const othersWithin = holds ? withinShares - Math.min(used, share) : withinShares
+  return total + need + (others * share - othersWithin) <= capacity ? FITS : OVER_SHARE
 }
 
 /** The store contract's rule (lib/store.ts): an in-progress record never expires while its lease is live. */

@@ -13,9 +13,10 @@ import { scopeOf } from './scope.js'
 import { isThenable } from './thenable.js'
 import { isReference, sendRebuilt } from './reference.js'
 import { clearInFlight, consultPrefilter, markInFlight, rememberCompleted } from './prefiltering.js'
+import { giveBack } from './outcome.js'
 import { rollBackForDepartedClient } from './settle.js'
 import type { ClaimAcquired, ClaimCompleted, ClaimInProgress, ClaimRequest, ClaimResult, Fingerprint, StoredResponse } from './store.js'
-import { withTimeout } from './timeout.js'
+import { bounded } from './timeout.js'
 import { localId } from './waiters.js'
 
 /** Polling of a store for an in-flight original owned by another process: 10 ms, doubling to 250 ms. */
@@ -100,72 +101,85 @@ function claimFor (engine: Engine, request: FastifyRequest, reply: FastifyReply,
   const settings = state.settings
   useFingerprint(engine, request, state, fingerprint)
   const claim: ClaimRequest = { scope: state.scope, key: state.key, fingerprint, leaseMs: settings.lease, ttlMs: settings.ttl }
-  const sync = engine.sync
-  if (sync !== null && engine.prefilter === null && settings.wait === 0 && !settings.transaction) {
-    let result: ClaimResult
-    try {
-      result = sync.claim(claim)
-    } catch (err) {
-      return storeFailed(engine, request, reply, state, err)
-    }
-    if (result.outcome === 'acquired') {
-      becomeOwner(engine, reply, state, result)
-      return undefined
-    }
-    const adopted = adoptRotated(engine, request, state, result, fingerprint)
-    if (adopted !== null) return claimFor(engine, request, reply, state, adopted)
-    return answerHeld(engine, request, reply, state, result, fingerprint) ?? refuseInProgress(engine, reply, state)
-  }
-  return claimLoop(engine, request, reply, state, claim)
+  if (engine.prefilter !== null || settings.wait > 0 || settings.transaction) return claimLoop(engine, request, reply, state, claim)
+  // One store call. A store that answers directly (the memory store) is decided on at once, with no
+  // promise: the embedded default's whole claim stays synchronous.
+  const askedAt = performance.now()
+  const answer = bounded('claim', settings.storeTimeout, () => engine.store.claim(claim), giveBackLate(engine, state))
+  if (!isThenable(answer)) return claimed(engine, request, reply, state, fingerprint, answer, null)
+  return answer.then(
+    (result) => claimed(engine, request, reply, state, fingerprint, result, askedAt),
+    (err: unknown) => storeFailed(engine, request, reply, state, err)
+  )
 }
 
-/** The claim through the store's promises: with a pre-filter, a `wait` (polling), atomic mode. */
+/** The store's answer to one claim, without a pre-filter or a wait: run, replay, 422 or 409. */
+function claimed (engine: Engine, request: FastifyRequest, reply: FastifyReply, state: RequestState, fingerprint: Fingerprint, result: ClaimResult, askedAt: number | null): Claimed | Promise<Claimed> {
+  if (result.outcome === 'acquired') return acquired(engine, request, reply, state, result, askedAt)
+  const adopted = adoptRotated(engine, request, state, result, fingerprint)
+  if (adopted !== null) return claimFor(engine, request, reply, state, adopted)
+  return answerHeld(engine, request, reply, state, result, fingerprint) ?? refuseInProgress(engine, reply, state)
+}
+
+/**
+ * The store handed the key over: the lifecycle says whether this request can still use it. Not when
+ * another answer went out while the claim was in flight (a handlerTimeout: the handler never runs),
+ * nor when the answer came back too late in its lease (lib/lifecycle.ts, `landed`): the key is given
+ * back at once, so no retry waits a lease for it (lib/outcome.ts, `giveBack`).
+ */
+function acquired (engine: Engine, request: FastifyRequest, reply: FastifyReply, state: RequestState, result: ClaimAcquired, askedAt: number | null): Claimed {
+  switch (state.lifecycle.landed(engine, result, askedAt)) {
+    case 'own':
+      becomeOwner(engine, reply, state, result)
+      return undefined
+    case 'preempted':
+      giveBack(engine, state, result, 'landed after another answer went out')
+      // The answer that went out is Fastify's to finish; the handler wrapper keeps the handler from running.
+      return undefined
+    case 'stale':
+      giveBack(engine, state, result, 'came back too late in its lease')
+      return storeFailed(engine, request, reply, state, new StoreTimeoutError('claim', state.settings.lease))
+  }
+}
+
+/**
+ * The claim with a pre-filter, a `wait`, or in atomic mode. The pre-filter answers only from a
+ * completed copy, which is the store's committed record; an in-flight marker is not the store's word
+ * (it may be older than the store's answer, or this very request's: lib/prefilter.ts), so it never
+ * answers: while the route may wait, it is a reason to wait without asking the store, and the store
+ * is asked before any answer is given.
+ */
 async function claimLoop (engine: Engine, request: FastifyRequest, reply: FastifyReply, state: RequestState, claim: ClaimRequest): Promise<Claimed> {
   const settings = state.settings
   let fingerprint = claim.fingerprint
   const deadline = settings.wait > 0 ? Date.now() + settings.wait : 0
   let poll = FIRST_POLL_MS
   for (let round = 0; ; round++) {
-    // What another attempt holds for the key: from the pre-filter when it knows, else from the
-    // store, which alone may hand the key to this request. An in-flight marker of another request
-    // is left to the store to judge (it may be younger than the store's answer: lib/prefilter.ts).
     let held: ClaimInProgress | ClaimCompleted
-    let hit = engine.prefilter === null ? null : await consultPrefilter(engine, state, fingerprint, round === 0)
-    if (hit?.state === 'in_progress' && !isFingerprint(matchOf(engine, state, hit.fingerprint, fingerprint))) hit = null
-    if (hit !== null) {
-      held = hit.state === 'completed'
-        ? { outcome: 'completed', fingerprint: hit.fingerprint, response: hit.response }
-        : { outcome: 'in_progress', fingerprint: hit.fingerprint, leaseRemainingMs: 0 }
+    // Markers only matter to duplicates that wait: a route that does not wait sets none.
+    const hit = engine.prefilter === null ? null : await consultPrefilter(engine, state, fingerprint, round === 0 && settings.wait > 0)
+    if (hit?.state === 'completed') {
+      held = { outcome: 'completed', fingerprint: hit.fingerprint, response: hit.response }
+    } else if (hit?.state === 'in_progress' && deadline - Date.now() > 0 && isFingerprint(matchOf(engine, state, hit.fingerprint, fingerprint))) {
+      await engine.waiters.wait(localId(state.scope, state.key), Math.min(poll, deadline - Date.now()))
+      poll = Math.min(poll * 2, MAX_POLL_MS)
+      continue
     } else {
       const asked = Date.now()
-      const sent = performance.now()
+      const askedAt = performance.now()
       let result: ClaimResult
       try {
         if (settings.transaction) {
           const waitMs = Math.max(0, deadline - Date.now())
-          result = await withTimeout('claim', settings.storeTimeout + waitMs, () => claimInTransaction(engine, claim, waitMs), releaseLate(engine, state))
+          result = await bounded('claim', settings.storeTimeout + waitMs, () => claimInTransaction(engine, claim, waitMs), giveBackLate(engine, state))
         } else {
-          result = await withTimeout('claim', settings.storeTimeout, () => engine.store.claim(claim), releaseLate(engine, state))
+          result = await bounded('claim', settings.storeTimeout, () => engine.store.claim(claim), giveBackLate(engine, state))
         }
       } catch (err) {
         if (state.markedInFlight) clearInFlight(engine, state)
         return storeFailed(engine, request, reply, state, err)
       }
-      if (result.outcome === 'acquired') {
-        // The lease runs from when the store applied the claim, no earlier than when it was sent: an
-        // answer back after one lease proves nothing (the lease may have lapsed and another attempt
-        // taken the key over meanwhile; the chaos harness saw a 728 ms claim under a 300 ms lease
-        // start a handler beside the new owner's). Like a renewal answered that late (lifecycle.ts,
-        // fence), it counts as a store failure: the key is given back (fenced by the token) and
-        // nothing runs. Atomic mode has no lease: its open transaction holds the record.
-        if (!settings.transaction && performance.now() - sent >= settings.lease) {
-          releaseLate(engine, state)(result)
-          if (state.markedInFlight) clearInFlight(engine, state)
-          return storeFailed(engine, request, reply, state, new StoreTimeoutError('claim', settings.lease))
-        }
-        becomeOwner(engine, reply, state, result)
-        return undefined
-      }
+      if (result.outcome === 'acquired') return acquired(engine, request, reply, state, result, settings.transaction ? null : askedAt)
       // The storm's next duplicates can then be answered without the store. The copy replaces the
       // marker the first look may have set; without a copy, that marker (this request's, and this
       // request does not own the key) goes.
@@ -231,11 +245,10 @@ function refuseInProgress (engine: Engine, reply: FastifyReply, state: RequestSt
 
 /** The store handed the key to this request: it executes, holding the key until it settles. */
 function becomeOwner (engine: Engine, reply: FastifyReply, state: RequestState, result: ClaimAcquired): void {
-  state.lifecycle.own(engine, result)
   if (result.takeover) observe(engine.metrics, state, 'taken_over', 'warn', 'idempotency: took over an in-progress key whose owner stopped renewing its lease')
   else observe(engine.metrics, state, 'executed', 'debug', 'idempotency: key claimed')
   const context = state.context as RequestContext
-  markInFlight(engine, state, context.fingerprint)
+  if (state.settings.wait > 0) markInFlight(engine, state, context.fingerprint)
   if (result.transaction !== undefined) {
     // Atomic mode: the open transaction holds the record, and a crash rolls it back.
     context.sql = result.transaction
@@ -250,26 +263,10 @@ function becomeOwner (engine: Engine, reply: FastifyReply, state: RequestState, 
   }
 }
 
-/** A claim that lands after its timeout, or after its lease, was answered 503 (or bypassed): give the key back at once. */
-function releaseLate (engine: Engine, state: RequestState) {
+/** A claim that lands after its storeTimeout was answered 503 (or bypassed): given back at once. */
+function giveBackLate (engine: Engine, state: RequestState) {
   return (result: ClaimResult): void => {
-    if (result.outcome !== 'acquired') return
-    if (result.takeover && result.transaction === undefined) {
-      // Lease mode: a takeover holds the record of an operation that may have run partly (its
-      // recorded steps): releasing it would delete them, and a retry would repeat those effects.
-      // Left alone, its lease lapses within one lease and the next retry takes it over with its
-      // steps. (Atomic mode's release is a ROLLBACK, which undoes the takeover and keeps the record,
-      // and must be sent: the transaction holds a connection and the row's lock.)
-      observe(engine.metrics, state, 'store_error', 'warn', 'idempotency: a takeover landed after storeTimeout or after its lease; left to lapse so that its recorded steps stay')
-      return
-    }
-    engine.store.release(result.lease).then(
-      (released) => {
-        if (released) observe(engine.metrics, state, 'released', 'warn', 'idempotency: released a claim that landed after storeTimeout or after its lease')
-        else observe(engine.metrics, state, 'lease_lost', 'warn', 'idempotency: a claim landed after storeTimeout or after its lease and was taken over before it could be released')
-      },
-      (err: unknown) => observe(engine.metrics, state, 'store_error', 'error', 'idempotency: could not release a late claim; it frees itself when its lease expires', err)
-    )
+    if (result.outcome === 'acquired') giveBack(engine, state, result, 'landed after storeTimeout')
   }
 }
 

@@ -78,19 +78,13 @@ export class RequestState {
   unkeyedFingerprint: Fingerprint | null = null
   /** The claim took a record's fingerprint made under an older key (at most once per request). */
   adoptedFingerprint = false
-  /** The phase and the lease's renewal: changed only through it (lib/lifecycle.ts). */
+  /** The phase, the lease's renewal and the key's fate: changed only through it (lib/lifecycle.ts). */
   readonly lifecycle: Lifecycle = new Lifecycle(this)
-  /** The handler (or a hook after it) threw: the outcome is a failure, never recorded. */
-  errored = false
   /** (scope, key) as one object, for the pre-filter's calls. */
   recordId: RecordId | null = null
   /** The pre-filter holds this request's in-flight marker (set by its first lookup). */
   markedInFlight = false
   context: RequestContext | null = null
-  /** Set by markIndeterminate / markDefinite; null leaves it to the default (steps completed or not). */
-  failure: 'definite' | 'indeterminate' | null = null
-  /** A step of this operation completed (in this attempt or an earlier one): a failure is indeterminate. */
-  stepsCompleted = false
   /** Recorded step results, loaded from the store at the first step() call. */
   steps: Record<string, unknown> | null = null
   /** A message was enqueued in the transaction now open: deliver after it commits. */

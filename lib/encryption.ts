@@ -2,6 +2,7 @@ import { createCipheriv, createDecipheriv, randomBytes } from 'node:crypto'
 import type { Keyring } from './keyring.js'
 import type { IdempotencyPrefilter, PrefilterHit } from './prefilter.js'
 import type { ClaimResult, Fingerprint, IdempotencyStore, Lease, RecordId, StoredRecord, StoredResponse } from './store.js'
+import { isThenable } from './thenable.js'
 
 /*
  * Encryption at rest of recorded responses (ietf-wg-httpapi/idempotency#40: a stored response is
@@ -149,15 +150,18 @@ export function encryptedStore (keyring: Keyring, store: IdempotencyStore): Idem
     // The record's own fingerprint: a seal that does not cover it does not open.
     return result.outcome === 'completed' ? { ...result, response: openResponse(keyring, request, result.fingerprint, result.response) } : result
   }
+  // claim and complete keep the store's way of answering: a memory store's direct answer stays
+  // direct (no promise on its hot path), a promise stays a promise.
   return decorate<IdempotencyStore>(store, {
-    async claim (request) {
-      return openClaim(request, await store.claim(request))
+    claim (request) {
+      const result = store.claim(request)
+      return isThenable(result) ? Promise.resolve(result).then((value) => openClaim(request, value)) : openClaim(request, result)
     },
     async claimInTransaction (request) {
       // Only reachable when the store has the method: decorate() hides overrides of absent ones.
       return openClaim(request, await (store.claimInTransaction as NonNullable<IdempotencyStore['claimInTransaction']>)(request))
     },
-    async complete (lease, response, ttlMs) {
+    complete (lease, response, ttlMs) {
       const fingerprint = claimedWith.get(lease)
       if (fingerprint === undefined) throw new TypeError('fastify-idempotency: the encrypting store completes only leases it handed out (its claim binds the seal to the request fingerprint)')
       return store.complete(lease, sealResponse(keyring, lease, fingerprint, response), ttlMs)
@@ -166,7 +170,7 @@ export function encryptedStore (keyring: Keyring, store: IdempotencyStore): Idem
       const record: StoredRecord | null = await store.get(id)
       return record?.state === 'completed' ? { ...record, response: openResponse(keyring, id, record.fingerprint, record.response) } : record
     }
-  }, UNSEALED)
+  })
 }
 
 /**
@@ -197,14 +201,9 @@ export function encryptedPrefilter (keyring: Keyring, prefilter: IdempotencyPref
  * bound to it. The Proxy's own target stays empty, so no Proxy invariant ties it to `inner`'s
  * (possibly frozen) properties.
  */
-const NOTHING_HIDDEN: ReadonlySet<PropertyKey> = new Set()
-/** The store's synchronous twins would write and read in clear: the sealing store has none. */
-const UNSEALED = new Set<PropertyKey>(['sync'])
-
-function decorate<T extends object> (inner: T, overrides: Partial<T>, hidden: ReadonlySet<PropertyKey> = NOTHING_HIDDEN): T {
+function decorate<T extends object> (inner: T, overrides: Partial<T>): T {
   const bound = new Map<PropertyKey, { readonly original: unknown, readonly bound: unknown }>()
   const read = (property: PropertyKey): unknown => {
-    if (hidden.has(property)) return undefined
     const value: unknown = Reflect.get(inner, property)
     if (typeof value !== 'function') return value
     if (Object.hasOwn(overrides, property)) return (overrides as Record<PropertyKey, unknown>)[property]
@@ -216,10 +215,9 @@ function decorate<T extends object> (inner: T, overrides: Partial<T>, hidden: Re
   }
   return new Proxy(Object.create(null) as T, {
     get: (_target, property) => read(property),
-    has: (_target, property) => !hidden.has(property) && Reflect.has(inner, property),
-    ownKeys: () => Reflect.ownKeys(inner).filter((property) => !hidden.has(property)),
+    has: (_target, property) => Reflect.has(inner, property),
+    ownKeys: () => Reflect.ownKeys(inner),
     getOwnPropertyDescriptor: (_target, property) => {
-      if (hidden.has(property)) return undefined
       const own = Reflect.getOwnPropertyDescriptor(inner, property)
       if (own === undefined) return undefined
       return { value: read(property), writable: false, enumerable: own.enumerable ?? false, configurable: true }

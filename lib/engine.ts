@@ -4,14 +4,13 @@ import { sendProblem, type ProblemAnswer, type ProblemBodies, type ProblemOption
 import type { FingerprintKeys } from './fingerprint-keys.js'
 import type { Metrics } from './observe.js'
 import type { IdempotencyPrefilter } from './prefilter.js'
-import type { IdempotencyStore, SyncOperations } from './store.js'
+import type { IdempotencyStore } from './store.js'
 import type { Waiters } from './waiters.js'
 
 /** What every hook of one plugin registration shares. */
 export interface Engine {
+  /** The store given (sealed when `encryption` is set): its methods are the only way to it (lib/store.ts). */
   readonly store: IdempotencyStore
-  /** The store's synchronous twins (lib/store.ts), read once at registration, or null. */
-  readonly sync: SyncOperations | null
   readonly prefilter: IdempotencyPrefilter | null
   readonly waiters: Waiters
   readonly problems: ProblemBodies
@@ -20,6 +19,8 @@ export interface Engine {
   readonly metrics: Metrics | null
   /** MAC keys of keyed fingerprints, derived from the `encryption` option (lib/fingerprint-keys.ts), or null. */
   readonly fingerprintKeys: FingerprintKeys | null
+  /** Set when the Fastify instance closes: settlements still retrying in the background stop. */
+  closed: boolean
 }
 
 /** Sends a problem answer; the request is then never recorded (it is not the key's outcome). */

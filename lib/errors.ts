@@ -60,6 +60,27 @@ export class RolledBackError extends Error {
 }
 
 /**
+ * Thrown by a transactional store's `complete` or `release` (atomic mode) when the transaction
+ * holding the claim ended before the plugin ended it: the handler sent COMMIT, ROLLBACK or PREPARE
+ * TRANSACTION (or a statement that ends the transaction) through `request.idempotency.sql`. What
+ * the handler wrote may have committed without the recorded response, so the store fails closed:
+ * it holds the key for the reconciler (`held`), never releasing it and never letting a retry take
+ * it over, and the client gets a 500 problem (`transaction-ended`). `held` is false only when the
+ * store could not write the hold (the database failed too); the record then stays as the claim
+ * left it, which in atomic mode is itself held (a claim commits held until its response is written).
+ */
+export class TransactionEndedError extends Error {
+  readonly code = 'FST_IDEMPOTENCY_TRANSACTION_ENDED'
+  readonly held: boolean
+
+  constructor (held: boolean, options?: { cause?: unknown }) {
+    super(`fastify-idempotency: the request's transaction was ended through request.idempotency.sql (COMMIT, ROLLBACK or PREPARE TRANSACTION) before its response was recorded; ${held ? 'the key is held for the reconciler' : 'the key could not be held'}`, options)
+    this.name = 'TransactionEndedError'
+    this.held = held
+  }
+}
+
+/**
  * Fails the boot (`ready()`, `listen()`) when routes for protected methods were declared before the
  * plugin loaded: Fastify's onRoute never showed them to it, so they would run unprotected.
  */

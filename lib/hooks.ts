@@ -56,7 +56,9 @@ export function routeHooks (engine: Engine, settings: RouteSettings, methods: Re
   // Fastify awaits: it resolves with undefined (run) or with the reply (answered, once sent).
   function idempotencyClaim (request: FastifyRequest, reply: FastifyReply, done: HookHandlerDoneFunction): Promise<FastifyReply | undefined> | undefined {
     const state = stateOf(request)
-    if (state === null) {
+    // Preempted: an earlier hook's answer is on its way out, and the store is not asked for a key
+    // nothing will use (the handler wrapper keeps the handler from running).
+    if (state === null || state.lifecycle.phase === 'preempted') {
       done()
       return undefined
     }
@@ -67,14 +69,11 @@ export function routeHooks (engine: Engine, settings: RouteSettings, methods: Re
     return undefined
   }
 
-  // Errors thrown by the handler (or a later hook) release the key: a thrown error is a failure
-  // whatever status the error handler turns it into.
+  // An error answering the request is a failure whatever status the error handler turns it into
+  // (lib/lifecycle.ts decides the key's fate); one that answers while the claim is in flight keeps
+  // the handler from running.
   function idempotencyFlagError (request: FastifyRequest, _reply: FastifyReply, _error: FastifyError, done: () => void): void {
-    const state = stateOf(request)
-    if (state !== null && state.lifecycle.phase === 'owner') {
-      state.errored = true
-      state.lifecycle.failed()
-    }
+    stateOf(request)?.lifecycle.errored()
     done()
   }
 
@@ -103,15 +102,20 @@ export function routeHooks (engine: Engine, settings: RouteSettings, methods: Re
 }
 
 /**
- * The route's handler, wrapped (lease mode) so the lifecycle knows while it runs: an answer that
- * interrupts it (handlerTimeout) is settled only once it returned, since until then it may still
- * produce its effect (lib/lifecycle.ts).
+ * The route's handler, wrapped so the lifecycle knows while it runs: an answer that interrupts it
+ * (handlerTimeout) is settled only once it returned, since until then it may still produce its
+ * effect. And it runs only while the request owns its key (or runs unprotected after a bypass):
+ * Fastify calls the handler once the preHandler hooks are done unless the response has ENDED, so an
+ * answer still on its way out (a handlerTimeout's 503 being sent while the claim landed, or while a
+ * later preHandler ran) would otherwise let it run beside a key that is being given back or released.
  */
 export function trackHandler (handler: RouteHandlerMethod): RouteHandlerMethod {
   return function idempotencyHandler (this: FastifyInstance, request, reply) {
     const state = stateOf(request)
-    if (state === null || state.lifecycle.phase !== 'owner' || state.lifecycle.transactional) return handler.call(this, request, reply)
+    if (state === null) return handler.call(this, request, reply)
     const lifecycle = state.lifecycle
+    if (!lifecycle.runsHandler) return undefined
+    if (lifecycle.phase !== 'owner') return handler.call(this, request, reply)
     lifecycle.handlerStarted()
     let result: unknown
     try {

@@ -22,7 +22,7 @@ const fastifyIdempotency = fp<IdempotencyOptions>(idempotencyPlugin, { fastify: 
 export default fastifyIdempotency
 export { fastifyIdempotency }
 export { memoryStore, MemoryStoreFullError, type MemoryStore, type MemoryStoreOptions, type MemoryStoreUsage } from '../drivers/memory.js'
-export { EmptyScopeError, InvalidOptionError, LeaseLostError, RolledBackError, StoreTimeoutError, UnprotectedRoutesError } from './errors.js'
+export { EmptyScopeError, InvalidOptionError, LeaseLostError, RolledBackError, StoreTimeoutError, TransactionEndedError, UnprotectedRoutesError } from './errors.js'
 export type { EarlierRoutesPolicy } from './earlier-routes.js'
 export { DEFAULT_REPLAY_HEADERS } from './headers.js'
 export type { IdempotencyContext } from './context.js'

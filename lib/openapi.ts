@@ -64,7 +64,7 @@ const VALIDATED_PARTS = ['body', 'querystring', 'query', 'params', 'headers'] as
 /** The plugin's answers on a protected route (the status route's `key-unknown` is not one). */
 type RouteProblem = Extract<ProblemKind,
   'key-missing' | 'key-invalid' | 'key-reused' | 'request-in-progress' | 'response-not-retained' | 'store-unavailable' |
-  'not-committed' | 'outcome-unknown' | 'body-too-deep' | 'body-too-large'>
+  'not-committed' | 'outcome-unknown' | 'transaction-ended' | 'body-too-deep' | 'body-too-large'>
 
 const WHEN: Readonly<Record<RouteProblem, (settings: RouteSettings) => string>> = {
   'key-missing': () => `The Idempotency-Key header is missing, and this operation requires one (${DRAFT} §2.7).`,
@@ -84,6 +84,9 @@ const WHEN: Readonly<Record<RouteProblem, (settings: RouteSettings) => string>> 
   'outcome-unknown': () => 'The transaction holding the operation and its key was sent to be committed, but whether it ' +
     'committed could not be confirmed. Send the same request again after `Retry-After` seconds: it replays the recorded ' +
     'response if the operation committed, and runs it if it did not.',
+  'transaction-ended': () => 'The operation ended its own transaction (COMMIT or ROLLBACK through the request\'s ' +
+    'transaction handle) before its response was recorded: the key is held until the service reconciles it, and ' +
+    'requests with it get 409 until then.',
   'body-too-deep': (settings) => `The parsed body nests arrays and objects more than ${settings.bodyLimits.maxDepth} levels deep, ` +
     'beyond what the request fingerprint accepts; nothing was processed or recorded.',
   'body-too-large': (settings) => `The parsed body holds more than ${settings.bodyLimits.maxNodes} values (strings, numbers, ` +
@@ -199,7 +202,7 @@ function problemsByStatus (engine: Engine, settings: RouteSettings): Map<number,
   if (settings.fingerprint.mode === 'canonical') kinds.push('body-too-deep', 'body-too-large')
   // With 'bypass', a store failure runs the handler unprotected instead.
   if (settings.onStoreError === 'fail') kinds.push('store-unavailable')
-  if (settings.transaction) kinds.push('not-committed', 'outcome-unknown')
+  if (settings.transaction) kinds.push('not-committed', 'outcome-unknown', 'transaction-ended')
   const byStatus = new Map<number, RouteProblem[]>()
   for (const kind of kinds) {
     const status = engine.problems[kind].status

@@ -39,13 +39,13 @@ export const idempotencyPlugin: FastifyPluginCallback<IdempotencyOptions> = func
   const atRest = sealAtRest(global.encryption, store, options.prefilter ?? null)
   const engine: Engine = {
     store: atRest.store,
-    sync: atRest.store.sync ?? null,
     prefilter: atRest.prefilter,
     waiters: new Waiters(),
     problems: buildProblemBodies(problemOptions),
     problemOptions,
     metrics: global.metrics,
-    fingerprintKeys: global.encryption === null ? null : deriveFingerprintKeys(global.encryption)
+    fingerprintKeys: global.encryption === null ? null : deriveFingerprintKeys(global.encryption),
+    closed: false
   }
 
   warnAboutDeployment(fastify, global.route.scope === null, ownsStore || isMemoryStore(store))
@@ -64,7 +64,10 @@ export const idempotencyPlugin: FastifyPluginCallback<IdempotencyOptions> = func
       return
     }
   }
-  if (ownsStore) fastify.addHook('onClose', async () => { await store.close() })
+  fastify.addHook('onClose', async () => {
+    engine.closed = true
+    if (ownsStore) await store.close()
+  })
   done()
 }
 
@@ -94,7 +97,7 @@ function protectRoute (engine: Engine, global: GlobalSettings, route: RouteOptio
   appendHook(route, 'onError', hooks.onError)
   appendHook(route, 'onResponse', hooks.onResponse)
   if (hooks.onTimeout !== null) appendHook(route, 'onTimeout', hooks.onTimeout)
-  if (!settings.transaction) route.handler = trackHandler(route.handler)
+  route.handler = trackHandler(route.handler)
 }
 
 type HookName = 'onRequest' | 'preParsing' | 'preHandler' | 'onError' | 'onResponse' | 'onTimeout'

@@ -3,6 +3,7 @@ import type { Engine } from './engine.js'
 import { observe } from './observe.js'
 import type { PrefilterHit } from './prefilter.js'
 import type { Fingerprint, RecordId, StoredResponse } from './store.js'
+import { bounded } from './timeout.js'
 
 /*
  * How the lifecycle uses the optional pre-filter. It is advisory only: a hit can replay a record the
@@ -21,13 +22,17 @@ const RETENTION_MARGIN_MS = 1000
 export async function consultPrefilter (engine: Engine, state: RequestState, fingerprint: Fingerprint, mark: boolean): Promise<PrefilterHit | null> {
   const prefilter = engine.prefilter
   if (prefilter === null) return null
+  // Bounded here as well as by the pre-filter itself: a pre-filter that never answers must not
+  // hold a request (the store is there to answer).
+  const timeout = state.settings.storeTimeout
   try {
-    if (mark && prefilter.lookupOrMark !== undefined) {
-      const looked = await prefilter.lookupOrMark(recordIdOf(state), fingerprint, state.settings.lease)
+    const lookupOrMark = prefilter.lookupOrMark
+    if (mark && lookupOrMark !== undefined) {
+      const looked = await bounded('prefilter lookup', timeout, () => lookupOrMark.call(prefilter, recordIdOf(state), fingerprint, state.settings.lease))
       state.markedInFlight = looked.marked
       return looked.hit
     }
-    return await prefilter.lookup(recordIdOf(state))
+    return await bounded('prefilter lookup', timeout, () => prefilter.lookup(recordIdOf(state)))
   } catch (err) {
     observe(engine.metrics, state, 'prefilter_error', 'warn', 'idempotency: pre-filter lookup failed; asking the store', err)
     return null

@@ -16,6 +16,7 @@ export type ProblemKind =
   | 'response-not-retained'
   | 'not-committed'
   | 'outcome-unknown'
+  | 'transaction-ended'
   | 'key-unknown'
   | 'body-too-deep'
   | 'body-too-large'
@@ -62,6 +63,16 @@ export const PROBLEMS: Readonly<Record<ProblemKind, ProblemDefinition>> = {
     detail: 'The transaction holding this operation and its Idempotency-Key was sent to be committed, but whether it ' +
       'committed could not be confirmed. Retry the same request with the same Idempotency-Key: it replays the recorded ' +
       'response if the operation committed, and runs it if it did not.'
+  },
+  // Atomic mode, the handler ended the request's transaction itself (COMMIT or ROLLBACK through
+  // request.idempotency.sql): its writes may have committed without the record, so the key is held
+  // for the reconciler instead of being released or taken over (docs/contract.md).
+  'transaction-ended': {
+    status: 500,
+    title: 'Idempotent operation ended its own transaction',
+    detail: 'The transaction holding this operation and its Idempotency-Key was ended by the operation itself, before its ' +
+      'response was recorded, so what it wrote may or may not have been kept. The key is held until the service ' +
+      'reconciles it; retries with it are answered 409 until then.'
   },
   'response-not-retained': {
     status: 410,

@@ -116,6 +116,14 @@ const STRIPE: Readonly<Record<ProblemKind, StripeError>> = {
       'confirmed. Retry the same request with the same idempotency key.',
     shouldRetry: true
   },
+  // Retried like every 5xx: a retry is answered 409 until the key is reconciled, then replayed.
+  'transaction-ended': {
+    status: 500,
+    type: 'api_error',
+    message: 'The operation for this idempotency key ended its own transaction before its response was recorded. ' +
+      'The key is held until the service reconciles it.',
+    shouldRetry: true
+  },
   'response-not-retained': {
     status: 410,
     type: 'idempotency_error',

@@ -3,7 +3,7 @@ import { checkName, deriveKey } from './derive.js'
 import type { Engine } from './engine.js'
 import { LeaseLostError } from './errors.js'
 import type { Fingerprint, Lease, OutboxEntry } from './store.js'
-import { withTimeout } from './timeout.js'
+import { bounded } from './timeout.js'
 
 /** Options of `request.idempotency.step()`. */
 export interface StepOptions {
@@ -53,11 +53,11 @@ export class RequestContext implements IdempotencyContext {
   }
 
   markIndeterminate (): void {
-    this.#state.failure = 'indeterminate'
+    this.#state.lifecycle.declare('indeterminate')
   }
 
   markDefinite (): void {
-    this.#state.failure = 'definite'
+    this.#state.lifecycle.declare('definite')
   }
 
   async enqueue (message: OutboxEntry, transaction: unknown = this.sql): Promise<void> {
@@ -93,10 +93,10 @@ async function runStep (engine: Engine, state: RequestState, name: string, fn: (
   }
   const timeout = state.settings.storeTimeout
   if (state.steps === null) {
-    const loaded = await withTimeout('loadSteps', timeout, () => (store.loadSteps as NonNullable<typeof store.loadSteps>)(lease))
+    const loaded = await bounded('loadSteps', timeout, () => (store.loadSteps as NonNullable<typeof store.loadSteps>)(lease))
     if (loaded === null) throw new LeaseLostError(name)
     state.steps = { ...loaded }
-    if (Object.keys(loaded).length > 0) state.stepsCompleted = true
+    if (Object.keys(loaded).length > 0) lifecycle.stepCompleted()
   }
   const steps = state.steps
   if (Object.hasOwn(steps, name)) return steps[name]
@@ -122,12 +122,12 @@ async function runStep (engine: Engine, state: RequestState, name: string, fn: (
     const value = await fn()
     json = toJson(value)
     // The step ran: from here a failure may have left an effect behind, even if recording fails.
-    state.stepsCompleted = true
-    const saved = await withTimeout('saveStep', timeout, () => (store.saveStep as NonNullable<typeof store.saveStep>)(lease, name, json as string))
+    lifecycle.stepCompleted()
+    const saved = await bounded('saveStep', timeout, () => (store.saveStep as NonNullable<typeof store.saveStep>)(lease, name, json as string))
     if (!saved) json = null
   }
   if (json === null) throw new LeaseLostError(name)
-  state.stepsCompleted = true
+  lifecycle.stepCompleted()
   const recorded: unknown = JSON.parse(json)
   steps[name] = recorded
   // A fresh parse, not `recorded`: the caller may mutate what it gets, the record must not change.

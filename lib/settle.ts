@@ -3,25 +3,26 @@ import type { FastifyReply } from 'fastify'
 import { captureStream, classifyPayload, type CapturedPayload } from './capture.js'
 import type { RequestState } from './context.js'
 import type { Engine } from './engine.js'
-import { RolledBackError } from './errors.js'
+import { RolledBackError, TransactionEndedError } from './errors.js'
 import { observe } from './observe.js'
 import { pickReplayHeaders } from './headers.js'
+import type { Ending } from './lifecycle.js'
+import { conclude, record } from './outcome.js'
 import { clearInFlight, rememberCompleted } from './prefiltering.js'
 import { applyProblem, type ProblemKind } from './problems.js'
 import { deliverEnqueued } from './recovery.js'
 import { referenceRecord } from './reference.js'
 import type { Lease, StoredResponse } from './store.js'
-import { withTimeout } from './timeout.js'
-
-/** Recording the outcome is retried briefly: losing it would let a retry execute a second time. */
-const COMPLETE_RETRY_DELAYS_MS = [50, 250]
+import { isThenable } from './thenable.js'
+import { bounded } from './timeout.js'
 
 /**
  * onSend of the request that owns the key (the lifecycle moved it to `settling`): records the
- * response before it leaves (for a stream, before its last byte leaves), or releases the key when
- * the outcome is a failure. Returns the payload to send on: at once when the store recorded it
- * synchronously (lib/store.ts, SyncOperations), else a promise of it. Whatever goes wrong in here
- * (a throwing `record` rule, a bug), the key is released or held, never stranded in progress.
+ * response before it leaves (for a stream, before its last byte leaves), or releases or holds the
+ * key, as the lifecycle decides (lib/lifecycle.ts, the fate table). Returns the payload to send on:
+ * at once when the store answered directly (lib/store.ts), else a promise of it. Whatever goes wrong
+ * in here (a bug, a payload that cannot be captured), the key is recorded, held or released, never
+ * stranded in progress, and never released once the handler returned an answer.
  */
 export function settleOwner (engine: Engine, reply: FastifyReply, state: RequestState, payload: unknown): unknown {
   let settled: unknown
@@ -43,29 +44,43 @@ export function settleOwner (engine: Engine, reply: FastifyReply, state: Request
 async function settleFailed (engine: Engine, state: RequestState, payload: unknown, err: unknown): Promise<unknown> {
   try {
     observe(engine.metrics, state, 'settle_failed', 'error', 'idempotency: unexpected error while settling the response; it is not recorded', err)
-    await giveUp(engine, state, 'an unexpected error while settling the response')
+    // Unless the answer was already a failure, the handler returned: its effect may have happened.
+    if (state.lifecycle.phase === 'settling') await decide(engine, state, state.lifecycle.threw ? 'threw' : 'unrecordable', 'an unexpected error while settling the response')
     return payload
   } finally {
     state.lifecycle.responded()
   }
 }
 
-/** The payload to send on, or a promise of it; what it cannot do at once it does through promises. */
+/**
+ * The payload to send on, or a promise of it; what it cannot do at once it does through promises.
+ * While the store is asked, the answer's status is kept: a handler that an answer interrupted (a
+ * handlerTimeout) may still call reply.code() on its way out, and the status of the answer being
+ * settled must not become its.
+ */
 function settle (engine: Engine, reply: FastifyReply, state: RequestState, payload: unknown): unknown {
-  if (state.errored) return giveUp(engine, state, 'the handler failed').then(() => payload)
+  const statusCode = reply.statusCode
+  const sendAs = <T>(value: T): T => {
+    if (reply.statusCode !== statusCode) reply.code(statusCode)
+    return value
+  }
+  if (state.lifecycle.threw) return decide(engine, state, 'threw', 'the handler failed').then(() => sendAs(payload))
 
   const captured = classifyPayload(payload, reply)
   const sent = captured.kind === 'stream' ? captured.source : payload
-  const statusCode = reply.statusCode
-  if (!state.settings.record(statusCode)) return giveUp(engine, state, `status ${statusCode} is not recorded`).then(() => sent)
-  if (captured.kind === 'unsupported') return giveUp(engine, state, 'the payload type cannot be recorded').then(() => payload)
+  if (!recordsStatus(engine, state, statusCode)) return decide(engine, state, 'not-recorded', `status ${statusCode} is not recorded`).then(() => sendAs(sent))
+  if (captured.kind === 'unsupported') {
+    observe(engine.metrics, state, 'not_recorded', 'error', 'idempotency: the payload type cannot be recorded')
+    // Fastify refuses it and answers an error of its own: its status is Fastify's to choose.
+    return decide(engine, state, 'unrecordable', 'the payload type cannot be recorded').then(() => payload)
+  }
   // Node refuses such a response in writeHead, after onSend, and Fastify then answers 500: the
   // client never receives it, so it must not become the key's outcome.
   let replyHeaders = reply.getHeaders()
   const unsendable = unsendableHeader(replyHeaders)
   if (unsendable !== null) {
     observe(engine.metrics, state, 'not_recorded', 'error', `idempotency: the response has a header Node cannot send (${unsendable}); it is not recorded`)
-    return giveUp(engine, state, 'the response cannot be sent').then(() => sent)
+    return decide(engine, state, 'unrecordable', 'the response cannot be sent').then(() => sent)
   }
 
   // A Buffer is replayed with Fastify's default type for bytes; give the original the same one.
@@ -78,29 +93,47 @@ function settle (engine: Engine, reply: FastifyReply, state: RequestState, paylo
   const reference = referenceOf(engine, state, statusCode, headers)
   if (state.lifecycle.transactional) return commitThenSend(engine, reply, state, captured, headers, reference)
   // A reference: the body is sent as the handler produced it (a stream streams); only the reference is kept.
-  if (reference !== null) return recordThen(engine, state, reference, sent)
-  if (captured.kind === 'bytes') return recordThen(engine, state, { statusCode, headers, body: captured.body.length > limit ? null : captured.body }, payload)
+  if (reference !== null) return recordThen(engine, state, reference, sent, sendAs)
+  if (captured.kind === 'bytes') return recordThen(engine, state, { statusCode, headers, body: captured.body.length > limit ? null : captured.body }, payload, sendAs)
   return captureStream(captured.source, limit, {
-    onEnd: (body) => record(engine, state, { statusCode, headers, body }),
-    onError: () => giveUp(engine, state, 'the response stream failed')
+    onEnd: async (body) => { await record(engine, state, { statusCode, headers, body }) },
+    onError: () => decide(engine, state, 'unrecordable', 'the response stream failed')
   })
 }
 
-/** Records `response`, then hands `sent` back: at once through the store's synchronous complete, else once record() is done. */
-function recordThen (engine: Engine, state: RequestState, response: StoredResponse, sent: unknown): unknown {
-  const sync = engine.sync
-  if (sync !== null) {
-    const since = Date.now()
-    let completed: boolean | null = null
-    // A throw is treated as a failed attempt: record() below tries again, with its delays.
-    try { completed = sync.complete(state.lifecycle.lease as Lease, response, state.settings.ttl) } catch {}
-    if (completed !== null) {
-      recorded(engine, state, completed, response, since)
-      state.lifecycle.settled()
-      return sent
-    }
+/**
+ * The route's `record` rule for the status. A rule that throws cannot say "do not record": the
+ * handler returned this answer and the client gets it, so it is recorded (releasing the key would
+ * let a retry run the operation a second time).
+ */
+function recordsStatus (engine: Engine, state: RequestState, statusCode: number): boolean {
+  try {
+    return state.settings.record(statusCode)
+  } catch (err) {
+    observe(engine.metrics, state, 'settle_failed', 'error', `idempotency: the route's record rule threw for status ${statusCode}; the answer is recorded`, err)
+    return true
   }
-  return record(engine, state, response).then(() => sent)
+}
+
+/**
+ * A failure's fate (release or hold), carried out. When the answer interrupted a handler that
+ * still runs, the key stays held and renewed until the handler returns, and the failure answer
+ * goes out without waiting.
+ */
+function decide (engine: Engine, state: RequestState, ending: Exclude<Ending, 'answered'>, reason: string): Promise<void> {
+  const fate = state.lifecycle.fate(ending)
+  if (!isThenable(fate)) return conclude(engine, state, fate === 'hold' ? 'hold' : 'release', reason)
+  observe(engine.metrics, state, 'not_recorded', 'warn', `idempotency: the answer (${reason}) interrupted a handler that still runs; the key stays held until it returns`)
+  fate.then((decided) => conclude(engine, state, decided === 'hold' ? 'hold' : 'release',
+    decided === 'hold' ? `${reason}, and the handler completed after it` : reason))
+    .catch(/* c8 ignore next: conclude reports the store's failures itself */ () => {})
+  return Promise.resolve()
+}
+
+/** Records `response`, then hands `sent` back: at once when the store answered directly, else once recorded. */
+function recordThen (engine: Engine, state: RequestState, response: StoredResponse, sent: unknown, sendAs: <T>(value: T) => T): unknown {
+  const recorded = record(engine, state, response)
+  return recorded === undefined ? sent : recorded.then(() => sendAs(sent))
 }
 
 /** The first header of `headers` that Node's writeHead would refuse, described, or null. */
@@ -126,7 +159,7 @@ function unsendableHeader (headers: Readonly<Record<string, string | number | st
 export async function releaseUnsent (engine: Engine, state: RequestState): Promise<void> {
   if (!state.lifecycle.unsent()) return
   observe(engine.metrics, state, 'not_recorded', 'warn', 'idempotency: the response bypassed onSend (reply.hijack() or a raw write), so it cannot be recorded')
-  await giveUp(engine, state, 'the response was not sent through Fastify')
+  await decide(engine, state, 'unsent', 'the response was not sent through Fastify')
 }
 
 /**
@@ -136,7 +169,7 @@ export async function releaseUnsent (engine: Engine, state: RequestState): Promi
  */
 export function rollBackForDepartedClient (engine: Engine, state: RequestState): void {
   if (state.lifecycle.clientLeft()) {
-    release(engine, state, 'the client went away before the transaction committed').catch(/* c8 ignore next: release catches */ () => {})
+    conclude(engine, state, 'release', 'the client went away before the transaction committed').catch(/* c8 ignore next: conclude reports the store's failures itself */ () => {})
   }
 }
 
@@ -146,7 +179,8 @@ export function rollBackForDepartedClient (engine: Engine, state: RequestState):
  * and headers cannot be taken back once a stream has started). If the commit failed, the client gets
  * a 500 problem instead of the handler's body: nothing of the operation happened. If the store cannot
  * tell (the connection dropped or timed out after COMMIT was sent), it gets a 503 that says so: the
- * retry replays the committed response or runs the operation afresh, whichever is true.
+ * retry replays the committed response or runs the operation afresh, whichever is true. If the
+ * handler ended the transaction itself, the store held the key, and the client gets a 500 that says so.
  */
 async function commitThenSend (
   engine: Engine,
@@ -166,14 +200,15 @@ async function commitThenSend (
       body = Buffer.concat(chunks.map((chunk) => typeof chunk === 'string' ? Buffer.from(chunk) : chunk))
     } catch (err) {
       observe(engine.metrics, state, 'not_recorded', 'error', 'idempotency: the response stream failed before its end; the transaction is rolled back', err)
-      await release(engine, state, 'the response stream failed')
+      await conclude(engine, state, 'release', 'the response stream failed')
       return notCommitted(engine, reply, state, 'not-committed')
     }
   }
-  const response: StoredResponse = reference ?? { statusCode: reply.statusCode, headers, body: body.length > state.settings.maxResponseBytes ? null : body }
+  const statusCode = reply.statusCode
+  const response: StoredResponse = reference ?? { statusCode, headers, body: body.length > state.settings.maxResponseBytes ? null : body }
   try {
     const since = Date.now()
-    const committed = await withTimeout('complete', state.settings.storeTimeout, () => engine.store.complete(lease, response, state.settings.ttl))
+    const committed = await bounded('complete', state.settings.storeTimeout, () => engine.store.complete(lease, response, state.settings.ttl))
     if (!committed) throw new RolledBackError('the transaction had already ended (rolled back) before the commit')
     observe(engine.metrics, state, 'recorded', 'debug', 'idempotency: response recorded and transaction committed')
     deliverEnqueued(engine, state)
@@ -185,10 +220,16 @@ async function commitThenSend (
       observe(engine.metrics, state, 'store_error', 'error', 'idempotency: the transaction was rolled back instead of committed; answering 500', err)
       return notCommitted(engine, reply, state, 'not-committed')
     }
+    if (err instanceof TransactionEndedError) {
+      observe(engine.metrics, state, 'held', 'error', 'idempotency: the handler ended the request\'s transaction itself; the key is held for the reconciler, answering 500', err)
+      return notCommitted(engine, reply, state, 'transaction-ended')
+    }
     observe(engine.metrics, state, 'store_error', 'error', 'idempotency: the commit was sent but its outcome is unknown; answering 503', err)
     return notCommitted(engine, reply, state, 'outcome-unknown')
   }
   state.lifecycle.settled()
+  // The committed answer's status, whatever a handler still running set meanwhile.
+  if (reply.statusCode !== statusCode) reply.code(statusCode)
   return captured.kind === 'bytes' ? undefined : body
 }
 
@@ -206,97 +247,9 @@ function referenceOf (engine: Engine, state: RequestState, statusCode: number, h
   return response
 }
 
-function notCommitted (engine: Engine, reply: FastifyReply, state: RequestState, kind: Extract<ProblemKind, 'not-committed' | 'outcome-unknown'>): string {
+function notCommitted (engine: Engine, reply: FastifyReply, state: RequestState, kind: Extract<ProblemKind, 'not-committed' | 'outcome-unknown' | 'transaction-ended'>): string {
   for (const name of Object.keys(reply.getHeaders())) reply.removeHeader(name)
   return applyProblem(reply, engine.problems, engine.problemOptions, kind === 'outcome-unknown'
     ? { kind, retryAfter: state.settings.retryAfter }
     : { kind })
-}
-
-/** Lease mode: records the response; the lease is renewed until this returns (also across the retries). */
-async function record (engine: Engine, state: RequestState, response: StoredResponse): Promise<void> {
-  const lease = state.lifecycle.lease as Lease
-  for (let attempt = 0; ; attempt++) {
-    try {
-      const since = Date.now()
-      const completed = await withTimeout('complete', state.settings.storeTimeout, () => engine.store.complete(lease, response, state.settings.ttl))
-      recorded(engine, state, completed, response, since)
-      break
-    } catch (err) {
-      const delay = COMPLETE_RETRY_DELAYS_MS[attempt]
-      if (delay === undefined) {
-        // The client still gets the true outcome; the key stays in progress until its lease lapses.
-        observe(engine.metrics, state, 'store_error', 'error', 'idempotency: could not record the response; the key will be retried after its lease expires', err)
-        break
-      }
-      await new Promise((resolve) => setTimeout(resolve, delay))
-    }
-  }
-  state.lifecycle.settled()
-}
-
-/** What the store answered to complete (`since`: when it was asked, for the pre-filter copy's retention). */
-function recorded (engine: Engine, state: RequestState, completed: boolean, response: StoredResponse, since: number): void {
-  if (completed) {
-    observe(engine.metrics, state, 'recorded', 'debug', 'idempotency: response recorded')
-    if (state.context !== null) rememberCompleted(engine, state, state.context.fingerprint, response, state.settings.ttl, since)
-  } else {
-    observe(engine.metrics, state, 'lease_lost', 'warn', 'idempotency: the key was taken over while this request ran; its response was not recorded')
-  }
-}
-
-/**
- * The outcome will not be recorded. When the answer interrupted a handler that still runs
- * (lib/lifecycle.ts), the key stays held and renewed until it returns, and the failure answer goes
- * out without waiting; a handler that then completed may have produced its effect, so unless it
- * declared otherwise its failure is indeterminate.
- */
-function giveUp (engine: Engine, state: RequestState, reason: string): Promise<void> {
-  const running = state.lifecycle.interruptedHandler()
-  if (running === null) return settleFailure(engine, state, reason)
-  observe(engine.metrics, state, 'not_recorded', 'warn', `idempotency: the answer (${reason}) interrupted a handler that still runs; the key stays held until it returns`)
-  running.then((outcome) => {
-    if (outcome === 'returned' && state.failure === null) state.failure = 'indeterminate'
-    return settleFailure(engine, state, outcome === 'returned' ? `${reason}, and the handler completed after it` : reason)
-  }).catch(/* c8 ignore next: settleFailure catches */ () => {})
-  return Promise.resolve()
-}
-
-/**
- * A definite failure (nothing happened) releases the key so a retry runs the operation again. An
- * indeterminate one (an external effect may have happened: declared with markIndeterminate(), or
- * the default once a step completed) keeps the record and its steps in progress for the
- * reconciler: releasing it would discard the recovery points and let a retry repeat steps that
- * already took effect.
- */
-async function settleFailure (engine: Engine, state: RequestState, reason: string): Promise<void> {
-  const indeterminate = !state.lifecycle.transactional &&
-    (state.failure === 'indeterminate' || (state.failure === null && state.stepsCompleted))
-  if (!indeterminate) return await release(engine, state, reason)
-  clearInFlight(engine, state)
-  const store = engine.store
-  const lease = state.lifecycle.lease as Lease
-  try {
-    if (store.hold === undefined) throw new TypeError('the store cannot hold a record for reconciliation (it has no hold())')
-    const held = await withTimeout('hold', state.settings.storeTimeout, () => (store.hold as NonNullable<typeof store.hold>)(lease))
-    if (held) observe(engine.metrics, state, 'held', 'warn', `idempotency: indeterminate failure (${reason}); key held in progress for reconciliation`)
-    else observe(engine.metrics, state, 'lease_lost', 'warn', `idempotency: indeterminate failure (${reason}), but the key was taken over meanwhile`)
-  } catch (err) {
-    // The record keeps its steps; its lease lapses and a retry takes it over and continues from them.
-    observe(engine.metrics, state, 'store_error', 'error', `idempotency: could not hold the key after an indeterminate failure (${reason}); it is taken over by a retry once its lease lapses`, err)
-  }
-  state.lifecycle.settled()
-}
-
-async function release (engine: Engine, state: RequestState, reason: string): Promise<void> {
-  clearInFlight(engine, state)
-  const lease = state.lifecycle.lease as Lease
-  try {
-    const released = await withTimeout('release', state.settings.storeTimeout, () => engine.store.release(lease))
-    if (released) observe(engine.metrics, state, 'released', 'debug', `idempotency: key released (${reason})`)
-    else observe(engine.metrics, state, 'lease_lost', 'warn', `idempotency: nothing to release (${reason}): the key was taken over or force-released meanwhile`)
-  } catch (err) {
-    observe(engine.metrics, state, 'store_error', 'error', `idempotency: could not release the key (${reason}); it frees itself when its lease expires`, err)
-  }
-  state.lifecycle.settled()
 }

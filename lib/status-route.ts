@@ -5,7 +5,7 @@ import type { StoredRecord } from './store.js'
 import { observe } from './observe.js'
 import { isReference, withoutMarker } from './reference.js'
 import { scopeOf } from './scope.js'
-import { withTimeout } from './timeout.js'
+import { bounded } from './timeout.js'
 
 /** What the status route answers (200, `application/json`) for a key the caller has a record of. */
 export type IdempotencyKeyStatus =
@@ -48,7 +48,7 @@ export function registerStatusRoute (fastify: FastifyInstance, engine: Engine, g
     const scope = await scopeOf(settings.scope, request)
     let record: StoredRecord | null
     try {
-      record = await withTimeout('get', settings.storeTimeout, () => engine.store.get({ scope, key }))
+      record = await bounded('get', settings.storeTimeout, () => engine.store.get({ scope, key }))
     } catch (err) {
       // Nothing runs on this route, so `onStoreError: 'bypass'` has nothing to bypass: always 503.
       observe(engine.metrics, { key, scope, log: request.log, request, startedAt }, 'store_error', 'error', 'idempotency: store failed on a key status lookup; answering 503', err)

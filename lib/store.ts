@@ -1,6 +1,7 @@
 /**
  * The storage-driver contract. The plugin talks to this interface only, never to a driver directly,
- * so a third party can write a driver by implementing it (and running `test/drivers/conformance.ts`).
+ * so a third party can write a driver by implementing it and checking it with the conformance suite
+ * (`runConformance` from `fastify-idempotency/conformance`).
  *
  * Every method is scoped: a record is identified by (scope, key) and nothing a method does for one
  * scope can be observed from another (draft-ietf-httpapi-idempotency-key-header §5, composite key).
@@ -40,8 +41,9 @@ export interface StoredResponse {
   /** Replayable headers only, names in lower case. */
   readonly headers: Readonly<Record<string, string | string[]>>
   /**
-   * The body bytes, or `null` when the body was larger than `maxResponseBytes`: the outcome is
-   * recorded (the operation must not run again) but its representation was not retained.
+   * The body bytes, or `null` when it was not retained (larger than `maxResponseBytes`, or more
+   * than the store's bounds could hold): the outcome is recorded (the operation must not run again)
+   * but its representation was not.
    */
   readonly body: Buffer | null
 }
@@ -117,23 +119,17 @@ export type StoredRecord =
   | { readonly state: 'completed', readonly fingerprint: Fingerprint, readonly response: StoredResponse }
 
 /**
- * The synchronous twins of `claim`, `complete` and `release`, for a store whose records live in the
- * process (the memory store): the plugin then calls them on its hot path without a promise or a
- * timeout (nothing can hang). Each must do exactly what its asynchronous twin does, and may throw
- * where that one would reject. A store exposes them as a NON-enumerable property, so an object built
- * by spreading it (`{ ...store, claim: instrumented }`) does not carry them and the plugin calls
- * the wrapper's own methods.
+ * What an operation may return: its result, or a promise of it. A store whose records live in the
+ * process (the memory store) answers at once, and the plugin then goes on without a promise or a
+ * timeout (nothing can hang); a store that does I/O returns a promise, which the plugin bounds by
+ * `storeTimeout`. The plugin calls exactly the methods of the object it was given, whatever it is
+ * (the driver's own store, or a wrapper built by spreading it or with a Proxy): there is no second,
+ * hidden way in, so a wrapper that adds logging, metrics, a circuit breaker or fault injection sees
+ * every call. An operation that throws counts as one that rejected.
  */
-export interface SyncOperations {
-  claim (request: ClaimRequest): ClaimResult
-  complete (lease: Lease, response: StoredResponse, ttlMs: number): boolean
-  release (lease: Lease): boolean
-}
+export type Answer<T> = T | Promise<T>
 
 export interface IdempotencyStore {
-  /** Optional: see {@link SyncOperations}. */
-  readonly sync?: SyncOperations
-
   /**
    * Decides who executes. Atomically, with respect to every other call on the same (scope, key), from
    * any process sharing the store:
@@ -144,27 +140,31 @@ export interface IdempotencyStore {
    * - anything else: return the record's state and fingerprint, unchanged.
    * At most one concurrent caller may get `acquired` for a record. The caller compares fingerprints.
    */
-  claim (request: ClaimRequest): Promise<ClaimResult>
+  claim (request: ClaimRequest): Answer<ClaimResult>
 
   /**
    * Records the response and marks the record completed, retained for `ttlMs` from now. Atomic and
    * fenced: it succeeds only while `lease.token` still owns an in-progress record, and returns
    * false (changing nothing) otherwise, so an owner whose lease was taken over cannot overwrite
-   * the new owner's record.
+   * the new owner's record. A store that cannot hold the response may record it without its body
+   * (`body: null`, `headers: {}`) rather than refuse: the operation ran.
    */
-  complete (lease: Lease, response: StoredResponse, ttlMs: number): Promise<boolean>
+  complete (lease: Lease, response: StoredResponse, ttlMs: number): Answer<boolean>
 
   /**
    * Deletes the in-progress record so the next attempt executes again. Fenced like `complete`;
    * returns false when the token no longer owns it.
    */
-  release (lease: Lease): Promise<boolean>
+  release (lease: Lease): Answer<boolean>
 
   /**
    * Extends the lease to `leaseMs` from now, and the record's expiry with it when it would end
    * earlier (see the rules above). Fenced like `complete`; false means ownership was lost.
+   * `leaseMs` 0 gives the lease up at once: the record stays in progress, with its steps, and the
+   * next attempt of the same request takes it over (how the plugin gives back a takeover whose
+   * answer came too late to be used).
    */
-  renew (lease: Lease, leaseMs: number): Promise<boolean>
+  renew (lease: Lease, leaseMs: number): Answer<boolean>
 
   /** Reads a live record (never an expired one), or null. Never changes anything. */
   get (id: RecordId): Promise<StoredRecord | null>
@@ -207,7 +207,9 @@ export interface IdempotencyStore {
   /**
    * Optional: records one step's JSON result (`resultJson`, already serialized) on the record,
    * fenced like `complete`. Returns false, writing nothing, when the lease no longer owns the record
-   * or the step is already recorded.
+   * or the step is already recorded. It may reject when the store cannot hold the result (the
+   * memory store past its bounds): the plugin treats that as a store failure after an effect,
+   * never as a lost lease.
    */
   saveStep? (lease: Lease, name: string, resultJson: string): Promise<boolean>
 
@@ -226,7 +228,7 @@ export interface IdempotencyStore {
    * purged, until the reconciler resolves it or an operator force-releases it. Fenced like
    * `complete`; false when the lease no longer owns the record.
    */
-  hold? (lease: Lease): Promise<boolean>
+  hold? (lease: Lease): Answer<boolean>
 
   /**
    * Optional (transactional outbox): inserts `message` through `transaction` (the atomic-mode

@@ -1,5 +1,7 @@
 import { StoreTimeoutError } from './errors.js'
 import { schedules, type Scheduled } from './schedule.js'
+import type { Answer } from './store.js'
+import { isThenable } from './thenable.js'
 
 /** A store call in flight, waiting in the schedule of its bound (lib/schedule.ts). */
 class Pending<T> implements Scheduled {
@@ -39,22 +41,25 @@ const scheduleFor = schedules<Pending<any>>((pending) => {
 }, true)
 
 /**
- * Bounds a store call: a store that hangs must turn into a store failure (503, or a logged bypass),
- * never into a request that waits forever. The call itself is not cancelled: `onLate` receives a
- * result that lands after the timeout (a claim acquired by then is released, so it is not left to
- * block retries until its lease expires, nor an atomic-mode transaction left open).
+ * Calls a store operation and bounds it: a store that hangs must turn into a store failure (503, or
+ * a logged bypass), never into a request that waits forever. An answer given directly (not a
+ * thenable: the memory store's) is returned as it is, with nothing to bound; an operation that
+ * throws rejects, as if its promise had. The call itself is not cancelled: `onLate` receives a
+ * result that lands after the timeout (a claim acquired by then is given back, so it neither
+ * blocks retries until its lease expires nor leaves an atomic-mode transaction open).
  */
-export function withTimeout<T> (operation: string, ms: number, call: () => Promise<T>, onLate?: (value: T) => void): Promise<T> {
+export function bounded<T> (operation: string, ms: number, call: () => Answer<T>, onLate?: (value: T) => void): T | Promise<T> {
+  let answer: Answer<T>
+  try {
+    answer = call()
+  } catch (err) {
+    return Promise.reject(err)
+  }
+  if (!isThenable(answer)) return answer
+  const promise = answer
   return new Promise<T>((resolve, reject) => {
     const pending = new Pending<T>(operation, ms, resolve, reject, onLate)
-    let result: Promise<T>
-    try {
-      result = call()
-    } catch (err) {
-      reject(err)
-      return
-    }
     scheduleFor(ms).add(pending)
-    result.then((value) => { pending.settle(value) }, (err: unknown) => { pending.fail(err) })
+    promise.then((value) => { pending.settle(value) }, (err: unknown) => { pending.fail(err) })
   })
 }

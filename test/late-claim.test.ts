@@ -1,6 +1,6 @@
 import Fastify from 'fastify'
 import t from 'tap'
-import idempotency, { memoryStore, type IdempotencyStore } from '../lib/index.js'
+import idempotency, { memoryStore, type IdempotencyOptions, type IdempotencyStore } from '../lib/index.js'
 import { PROBLEM_TYPE } from './helpers/app.js'
 
 /*
@@ -159,4 +159,85 @@ t.test('atomic mode: a takeover that lands after storeTimeout is still rolled ba
   t.equal(runs, 0)
   for (let i = 0; i < 50 && released.length === 0; i++) await sleep(10)
   t.same(released, ['tx-token'], 'the late takeover was released: its transaction rolls back')
+})
+
+/*
+ * An answer that goes out while the claim is still in flight: Fastify's handlerTimeout (it runs from
+ * routing, so it covers the preHandler hooks), with any slow step before the claim lands (a slow
+ * store, an async scope or fingerprint, a wait). The claim that lands afterwards must be given back
+ * at once and the handler must never run: otherwise the key stays in progress under a renewal that
+ * nothing ever stops, and every retry is answered 409 forever.
+ */
+t.test('a handlerTimeout that answers before the claim lands: the handler never runs, the key is given back at once, and the retry runs once', async (t) => {
+  const slowSteps: Record<string, IdempotencyOptions> = {
+    'slow store': {},
+    'async scope': { scope: async () => { await sleep(120); return 't' } },
+    'async fingerprint': { fingerprint: async () => { await sleep(120); return 'same' } }
+  }
+  for (const [step, options] of Object.entries(slowSteps)) {
+    const inner = memoryStore({ purgeInterval: 0 })
+    let slowClaims = step === 'slow store'
+    const store = new Proxy(inner, {
+      get (target, property) {
+        if (property === 'claim') {
+          return async (...args: Parameters<IdempotencyStore['claim']>) => {
+            if (slowClaims) await sleep(120)
+            return target.claim(...args)
+          }
+        }
+        const value: unknown = Reflect.get(target, property)
+        return typeof value === 'function' ? (value as (...a: unknown[]) => unknown).bind(target) : value
+      }
+    })
+    const app = Fastify({ handlerTimeout: 50 })
+    t.teardown(async () => { await app.close(); await inner.close() })
+    await app.register(idempotency, { store, scope: () => 't', lease: LEASE, storeTimeout: 2000, ...options })
+    let runs = 0
+    app.post('/pay', async (_request, reply) => { runs++; return reply.code(201).send({ run: runs }) })
+
+    const timedOut = await app.inject({ method: 'POST', url: '/pay', headers: keyed(`timeout-${step}`), payload: {} })
+    t.equal(timedOut.statusCode, 503, `${step}: Fastify's handlerTimeout answered`)
+    await sleep(200) // the claim has landed
+    t.equal(runs, 0, `${step}: the handler never ran`)
+    t.equal(await inner.get({ scope: 't', key: `timeout-${step}` }), null, `${step}: the key was given back, not left in progress`)
+    slowClaims = false
+    const fast = Fastify()
+    t.teardown(() => fast.close())
+    await fast.register(idempotency, { store, scope: () => 't', lease: LEASE, ...options })
+    fast.post('/pay', async (_request, reply) => { runs++; return reply.code(201).send({ run: runs }) })
+    const retry = await fast.inject({ method: 'POST', url: '/pay', headers: keyed(`timeout-${step}`), payload: {} })
+    t.equal(retry.statusCode, 201, `${step}: the retry is not refused 409`)
+    t.equal(runs, 1, `${step}: and runs once`)
+  }
+})
+
+t.test('the claim lands while the timeout\'s answer is still on its way out: the handler does not run beside it', async (t) => {
+  const inner = memoryStore({ purgeInterval: 0 })
+  const store = new Proxy(inner, {
+    get (target, property) {
+      if (property === 'claim') {
+        return async (...args: Parameters<IdempotencyStore['claim']>) => {
+          await sleep(80)
+          return target.claim(...args)
+        }
+      }
+      const value: unknown = Reflect.get(target, property)
+      return typeof value === 'function' ? (value as (...a: unknown[]) => unknown).bind(target) : value
+    }
+  })
+  const app = Fastify({ handlerTimeout: 50 })
+  t.teardown(async () => { await app.close(); await inner.close() })
+  await app.register(idempotency, { store, scope: () => 't', lease: LEASE, storeTimeout: 2000 })
+  // An onSend hook that takes its time over the timeout's 503 (compression, a logger that awaits).
+  app.addHook('onSend', async (_request, reply, payload) => {
+    if (reply.statusCode === 503) await sleep(100)
+    return payload
+  })
+  let runs = 0
+  app.post('/pay', async (_request, reply) => { runs++; return reply.code(201).send({ run: runs }) })
+  const timedOut = await app.inject({ method: 'POST', url: '/pay', headers: keyed('in-flight-503'), payload: {} })
+  t.equal(timedOut.statusCode, 503)
+  await sleep(150)
+  t.equal(runs, 0, 'the handler never ran')
+  t.equal(await inner.get({ scope: 't', key: 'in-flight-503' }), null, 'the key was given back')
 })

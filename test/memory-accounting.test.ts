@@ -3,8 +3,7 @@ import { fileURLToPath } from 'node:url'
 import t from 'tap'
 
 /**
- * Issue 16, finding 4: memory the memory store holds must be memory it counts, and must go when its
- * records go. Each pattern runs in a child process of its own (--expose-gc, test/fixtures/memory-rss.ts)
+ * Memory the memory store holds must be memory it counts, and must go when its records go. Each pattern runs in a child process of its own (--expose-gc, test/fixtures/memory-rss.ts)
  * that reports its memory after a full GC before the fill, after it, and after every short-lived
  * record expired and was purged.
  *
@@ -15,8 +14,8 @@ import t from 'tap'
  * and heapUsed, V8's own counts, are exact either way.
  *
  * Tolerances are wide (tens of MiB: a noisy two-core machine, a heap's own growth) against a gap
- * several times wider: before this change the first pattern held 150 MiB of slabs after its records
- * expired, and the second 256 MiB of header sets.
+ * several times wider: a store whose slabs mix ttls holds 150 MiB of slabs after the first pattern's
+ * records expired, and one whose interned header sets never go 256 MiB after the second's.
  */
 
 const MiB = 1024 * 1024

@@ -4,12 +4,11 @@ import { memoryStore, type MemoryStore } from '../lib/index.js'
 import type { Fingerprint, StoredRecord, StoredResponse } from '../lib/store.js'
 
 /**
- * Issue 16, finding 2 (the store's half): identical header sets are shared between records, and the
- * arrays inside them were the caller's own, shared and mutable, so whoever appended to one in place
- * (an app hook on a reply) changed every record that shared the set, other tenants' included. What
- * the store keeps is now copied on the way in and frozen deep down, so no caller, recording or
- * reading, can change a record. (The plugin's half, copying headers on record and on replay, is
- * tested with the plugin.)
+ * Identical header sets are shared between records, so an array inside one that stayed the caller's
+ * own, shared and mutable, would let whoever appends to it in place (an app hook on a reply) change
+ * every record sharing the set, other tenants' included. What the store keeps is copied on the way
+ * in and frozen deep down, so no caller, recording or reading, can change a record. (The plugin's
+ * half, copying headers on record and on replay, is tested with the plugin.)
  */
 
 const fp: Fingerprint = { algorithm: 'canonical-v1', digest: createHash('sha256').update('x').digest() }

@@ -237,9 +237,9 @@ t.test('through the store: expired completed records are swept from the table in
   t.teardown(() => store.close())
   const fp: Fingerprint = { algorithm: 'raw-v1', digest: digestOf('x') }
   for (let i = 0; i < 25_000; i++) {
-    const claim = store.sync?.claim({ scope: `s${i % 3}`, key: `k${i}`, fingerprint: fp, leaseMs: 1000, ttlMs: i % 2 === 0 ? 1000 : 60_000 })
-    if (claim?.outcome !== 'acquired') return t.fail('not acquired')
-    store.sync?.complete(claim.lease, { statusCode: 201, headers: {}, body: Buffer.from(`b${i}`) }, i % 2 === 0 ? 1000 : 60_000)
+    const claim = store.claim({ scope: `s${i % 3}`, key: `k${i}`, fingerprint: fp, leaseMs: 1000, ttlMs: i % 2 === 0 ? 1000 : 60_000 })
+    if (claim.outcome !== 'acquired') return t.fail('not acquired')
+    store.complete(claim.lease, { statusCode: 201, headers: {}, body: Buffer.from(`b${i}`) }, i % 2 === 0 ? 1000 : 60_000)
   }
   t.equal(store.usage().records, 25_000)
   clock.advance(2000)
@@ -247,9 +247,9 @@ t.test('through the store: expired completed records are swept from the table in
   const deadline = Date.now() + 10_000
   let serial = 0
   while (store.usage().records > 12_500 + serial && Date.now() < deadline) {
-    const claim = store.sync?.claim({ scope: 's0', key: `during-${serial}`, fingerprint: fp, leaseMs: 1000, ttlMs: 60_000 })
-    if (claim?.outcome === 'acquired') {
-      store.sync?.complete(claim.lease, { statusCode: 201, headers: {}, body: null }, 60_000)
+    const claim = store.claim({ scope: 's0', key: `during-${serial}`, fingerprint: fp, leaseMs: 1000, ttlMs: 60_000 })
+    if (claim.outcome === 'acquired') {
+      store.complete(claim.lease, { statusCode: 201, headers: {}, body: null }, 60_000)
       serial++
     }
     await new Promise((resolve) => setImmediate(resolve))

@@ -242,40 +242,50 @@ t.test('a body of exactly maxResponseBytes is retained and replayed', async (t) 
   await assertRecordedAndReplayed(t, app, '/exact', count, { status: 200, body: Buffer.alloc(100, 'y'), contentType: 'text/plain' })
 })
 
-t.test('a stream that errors mid-way releases the key: the retry executes again', async (t) => {
-  const store = memoryStore({ purgeInterval: 0 })
-  t.teardown(() => store.close())
-  const app = await buildApp(t, { plugin: { store } })
-  let executions = 0
-  app.post('/flaky', async (_request, reply) => {
-    executions++
-    reply.type('text/plain')
-    if (executions === 1) {
-      let reads = 0
-      return new Readable({
-        read () {
-          if (reads++ === 0) this.push('partial ')
-          else this.destroy(new Error('upstream broke'))
-        }
-      })
+t.test('a stream that errors mid-way after the handler returned: the key is held (its effect may have happened); after markDefinite() it is released and the retry executes', async (t) => {
+  for (const definite of [false, true]) {
+    const store = memoryStore({ purgeInterval: 0 })
+    t.teardown(() => store.close())
+    const app = await buildApp(t, { plugin: { store } })
+    let executions = 0
+    app.post('/flaky', async (request, reply) => {
+      executions++
+      reply.type('text/plain')
+      if (executions === 1) {
+        // A handler that knows its stream only reads (nothing happened if it breaks) says so.
+        if (definite) request.idempotency?.markDefinite()
+        let reads = 0
+        return new Readable({
+          read () {
+            if (reads++ === 0) this.push('partial ')
+            else this.destroy(new Error('upstream broke'))
+          }
+        })
+      }
+      return Readable.from(['complete ', 'body'])
+    })
+
+    // The client sees a broken response (Fastify destroys it once headers are out).
+    await t.rejects(post(app, '/flaky', 'flaky'), 'the first response is cut off')
+    if (!definite) {
+      t.match(await store.inspect({ scope: 'test', key: 'flaky' }), { state: 'in_progress', indeterminate: true, response: null },
+        'nothing recorded; the key is held for the reconciler, not released')
+      const retry = await post(app, '/flaky', 'flaky')
+      t.equal(retry.statusCode, 409, 'a retry is refused while the key is held')
+      t.equal(executions, 1, 'the handler ran once')
+      continue
     }
-    return Readable.from(['complete ', 'body'])
-  })
-
-  // The client sees a broken response (Fastify destroys it once headers are out).
-  await t.rejects(post(app, '/flaky', 'flaky'), 'the first response is cut off')
-  t.equal(await store.get({ scope: 'test', key: 'flaky' }), null, 'the key was released, nothing recorded')
-
-  const retry = await post(app, '/flaky', 'flaky')
-  t.equal(retry.statusCode, 200)
-  t.equal(retry.body, 'complete body', 'the retry executed and got a full body')
-  t.equal(retry.headers['idempotent-replayed'], undefined)
-  t.equal(executions, 2)
-
-  const replay = await post(app, '/flaky', 'flaky')
-  t.equal(replay.body, 'complete body')
-  t.equal(replay.headers['idempotent-replayed'], 'true')
-  t.equal(executions, 2)
+    t.equal(await store.get({ scope: 'test', key: 'flaky' }), null, 'markDefinite(): the key was released, nothing recorded')
+    const retry = await post(app, '/flaky', 'flaky')
+    t.equal(retry.statusCode, 200)
+    t.equal(retry.body, 'complete body', 'the retry executed and got a full body')
+    t.equal(retry.headers['idempotent-replayed'], undefined)
+    t.equal(executions, 2)
+    const replay = await post(app, '/flaky', 'flaky')
+    t.equal(replay.body, 'complete body')
+    t.equal(replay.headers['idempotent-replayed'], 'true')
+    t.equal(executions, 2)
+  }
 })
 
 /** A stream of `n` chunks, one every `ms`; `onEnd` runs after the last chunk was produced. */

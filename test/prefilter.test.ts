@@ -5,11 +5,14 @@ import t, { type Test } from 'tap'
 import idempotency, { memoryStore, type IdempotencyStore } from '../lib/index.js'
 import type { IdempotencyPrefilter } from '../lib/prefilter.js'
 import { redisPrefilter } from '../drivers/redis/index.js'
+import { recordKey } from '../drivers/redis/keys.js'
 
 /**
  * The pre-filter in the request lifecycle, against real Redis servers (REDIS_URL and
  * REDIS_CLUSTER_NODES; `node scripts/test.mjs` provisions both). The store (memory, counted) stays
- * the only judge of who executes; Redis may only replay committed records and refuse duplicates.
+ * the only judge of who executes. Redis answers only from a completed copy (the store's committed
+ * record); an in-flight marker never answers, it only lets a duplicate on a route that waits wait
+ * without asking the store.
  */
 
 const REDIS_URL = process.env.REDIS_URL
@@ -89,9 +92,9 @@ function suite (name: string, connect: () => Redis | Cluster): void {
       t.equal(store.calls.claim, claims)
     })
 
-    t.test('a storm: 500 requests on 10 keys execute exactly 10 times, and duplicates rarely reach the store', async (t) => {
+    t.test('a storm: 500 requests on 10 keys execute exactly 10 times; duplicates that wait rarely reach the store', async (t) => {
       const prefilter = redisPrefilter({ client, prefix: `t${randomBytes(4).toString('hex')}`, timeout: 1000 })
-      const { app, store, runs } = await world(t, { delay: 250, prefilter })
+      const { app, store, runs } = await world(t, { delay: 250, wait: 5000, prefilter })
       const keys = Array.from({ length: 10 }, (_, i) => `storm-${i}`)
       const originals = keys.map((key) => pay(app, key))
       // The storm proper starts once the originals run and their in-flight markers are set.
@@ -100,28 +103,27 @@ function suite (name: string, connect: () => Redis | Cluster): void {
         if (hits.every((hit) => hit !== null)) break
         await sleep(5)
       }
-      const answers: LightMyRequestResponse[] = []
-      const duplicates: Array<Promise<void>> = []
-      for (const key of keys) {
-        for (let i = 0; i < 49; i++) {
-          duplicates.push((async () => {
-            // A client retrying on 409, as real clients do.
-            for (let attempt = 0; attempt < 50; attempt++) {
-              const answer = await pay(app, key)
-              if (answer.statusCode !== 409) { answers.push(answer); return }
-              await sleep(25)
-            }
-          })())
-        }
-      }
       const claimsBefore = store.calls.claim
-      await Promise.all([...originals, ...duplicates])
+      const answers = await Promise.all(keys.flatMap((key) => Array.from({ length: 49 }, () => pay(app, key))))
+      await Promise.all(originals)
       const duplicateClaims = store.calls.claim - claimsBefore
       t.same([...runs.values()], Array(10).fill(1), 'exactly one execution per key')
       t.equal(answers.length, 490)
-      t.ok(answers.every((a) => a.statusCode === 201 && a.headers['idempotent-replayed'] === 'true'), 'every duplicate ends with the replay')
-      t.ok(duplicateClaims < 49, `store round trips made by 490 duplicates (and their retries): ${duplicateClaims}`)
+      t.ok(answers.every((a) => a.statusCode === 201 && a.headers['idempotent-replayed'] === 'true'), 'every duplicate gets the replay')
+      t.ok(duplicateClaims < 49, `store round trips made by 490 waiting duplicates: ${duplicateClaims}`)
       t.comment(`storm (${name}): ${duplicateClaims} store claims for 490 duplicates`)
+    })
+
+    t.test('without wait, a duplicate of an original in flight is answered by the store, never by a marker', async (t) => {
+      const { app, store, runs } = await world(t, { delay: 150 })
+      const original = pay(app, 'nowait-1')
+      await sleep(60)
+      const claims = store.calls.claim
+      const duplicate = await pay(app, 'nowait-1')
+      t.equal(duplicate.statusCode, 409, 'the store says in progress')
+      t.equal(store.calls.claim, claims + 1, 'and was asked')
+      t.equal((await original).statusCode, 201)
+      t.equal(runs.get('nowait-1'), 1)
     })
 
     t.test('a flushed Redis falls through to the store: the replay is still right, nothing runs twice', async (t) => {
@@ -151,18 +153,23 @@ function suite (name: string, connect: () => Redis | Cluster): void {
       t.equal(again.body, first.body)
     })
 
-    t.test('a stale in-flight marker delays a retry by at most its ttl, then the store decides', async (t) => {
+    t.test('a stale in-flight marker never refuses a request: the store decides, at once or after the route\'s wait', async (t) => {
       const prefilter = redisPrefilter({ client, prefix: `t${randomBytes(4).toString('hex')}`, timeout: 200 })
-      const { app, runs } = await world(t, { prefilter })
-      // A marker left by an owner that died without completing (the store has no record).
       const { canonicalFingerprint } = await import('../lib/fingerprint.js')
-      await prefilter.markInFlight({ scope: 'tenant', key: 'k3' }, canonicalFingerprint('POST', '/pay', { amount: 1 }, 'application/json'), 150)
-      const blocked = await pay(app, 'k3')
-      t.equal(blocked.statusCode, 409)
-      await sleep(200)
-      const retry = await pay(app, 'k3')
-      t.equal(retry.statusCode, 201, 'once the marker expired, the store let it execute')
-      t.equal(runs.get('k3'), 1)
+      const fingerprint = canonicalFingerprint('POST', '/pay', { amount: 1 }, 'application/json')
+      // Markers left by owners that died without completing (the store has no record).
+      await prefilter.markInFlight({ scope: 'tenant', key: 'stale-1' }, fingerprint, 5000)
+      await prefilter.markInFlight({ scope: 'tenant', key: 'stale-2' }, fingerprint, 5000)
+      const plain = await world(t, { prefilter })
+      const atOnce = await pay(plain.app, 'stale-1')
+      t.equal(atOnce.statusCode, 201, 'no wait: the store let it execute at once')
+      const waiting = await world(t, { prefilter, wait: 100 })
+      const started = Date.now()
+      const afterWait = await pay(waiting.app, 'stale-2')
+      t.equal(afterWait.statusCode, 201, 'with wait: the store let it execute once the wait ran out')
+      t.ok(Date.now() - started < 2000, 'the marker delayed it by at most the wait, not the marker\'s ttl')
+      t.equal(plain.runs.get('stale-1'), 1)
+      t.equal(waiting.runs.get('stale-2'), 1)
     })
 
     t.test('a pre-filter that fails or is slow never fails a request and never causes a second execution', async (t) => {
@@ -191,7 +198,7 @@ function suite (name: string, connect: () => Redis | Cluster): void {
       }
     })
 
-    t.test('a fresh key costs one Redis round trip before the store: its marker is set by the same script', async (t) => {
+    t.test('a fresh key costs one Redis round trip before the store; on a route that waits, its marker is set by the same script', async (t) => {
       const inner = redisPrefilter({ client, prefix: `t${randomBytes(4).toString('hex')}`, timeout: 200 })
       const calls: string[] = []
       const prefilter: IdempotencyPrefilter = {
@@ -202,18 +209,44 @@ function suite (name: string, connect: () => Redis | Cluster): void {
         remember: async (id, fingerprint, response, ttl) => { calls.push('remember'); await inner.remember(id, fingerprint, response, ttl) },
         close: async () => { await inner.close() }
       }
-      const { app, store, runs } = await world(t, { delay: 150, prefilter })
+      const plain = await world(t, { prefilter })
+      t.equal((await pay(plain.app, 'fresh-0')).statusCode, 201)
+      await settled()
+      t.same(calls.splice(0), ['lookup', 'remember'], 'no wait: one look, then the copy; no marker is written')
+
+      const { app, store, runs } = await world(t, { delay: 150, wait: 2000, prefilter })
       const original = pay(app, 'fresh-1')
       await sleep(60)
       const claims = store.calls.claim
       const duplicate = await pay(app, 'fresh-1')
-      t.equal(duplicate.statusCode, 409, 'a duplicate while the original runs is refused from Redis')
+      t.equal(duplicate.statusCode, 201, 'a duplicate while the original runs waits for it')
+      t.equal(duplicate.headers['idempotent-replayed'], 'true', 'and gets the replay')
       t.equal(store.calls.claim, claims, 'without asking the store')
       t.equal((await original).statusCode, 201)
       await settled()
-      t.same(calls.slice(0, 3), ['lookupOrMark', 'lookupOrMark', 'remember'],
-        'the original: one look that also marked it, then the copy; no separate markInFlight')
+      t.equal(calls[0], 'lookupOrMark', 'the original: one look that also marked it')
+      t.equal(calls.filter((call) => call === 'remember').length, 1, 'then the copy')
+      t.notOk(calls.includes('markInFlight'), 'no separate markInFlight')
       t.equal(runs.get('fresh-1'), 1)
+    })
+
+    t.test('a completed key whose copy is gone: concurrent retries all get the replay (a marker set before asking the store refuses none)', async (t) => {
+      for (const wait of [0, 2000]) {
+        const prefix = `t${randomBytes(4).toString('hex')}`
+        const { app, runs } = await world(t, { wait, prefilter: redisPrefilter({ client, prefix, timeout: 1000 }) })
+        const key = `gone-${wait}`
+        const first = await pay(app, key)
+        await settled()
+        const nodes = client instanceof Redis ? [client] : client.nodes('master')
+        await Promise.all(nodes.map(async (node) => {
+          const found = await node.keys(`${prefix}:*`)
+          if (found.length > 0) await node.del(...found)
+        }))
+        const retries = await Promise.all(Array.from({ length: 8 }, () => pay(app, key)))
+        t.same(retries.map((r) => r.statusCode), Array(8).fill(201), `wait ${wait}: every retry is answered 201, none 409`)
+        t.ok(retries.every((r) => r.headers['idempotent-replayed'] === 'true' && r.body === first.body), `wait ${wait}: each is the replay`)
+        t.equal(runs.get(key), 1)
+      }
     })
 
     t.test('an in-flight marker of another request is left to the store: the reuse gets its 422 from the store', async (t) => {
@@ -229,13 +262,16 @@ function suite (name: string, connect: () => Redis | Cluster): void {
     })
 
     t.test('a marker set by the first look goes when the store does not hand the key over', async (t) => {
-      const prefilter = redisPrefilter({ client, prefix: `t${randomBytes(4).toString('hex')}`, timeout: 200 })
-      const { app, runs } = await world(t, { delay: 200, prefilter })
+      const prefix = `t${randomBytes(4).toString('hex')}`
+      const prefilter = redisPrefilter({ client, prefix, timeout: 200 })
+      const { app, runs } = await world(t, { delay: 300, wait: 50, prefilter })
       const original = pay(app, 'not-mine')
       await sleep(60)
-      await prefilter.clearInFlight({ scope: 'tenant', key: 'not-mine' }) // the original's marker is lost (an eviction)
+      // The original's marker is lost (an eviction). Not through clearInFlight: a request clears
+      // only its own marker, and this RecordId is not the original's.
+      await client.del(recordKey(prefix, { scope: 'tenant', key: 'not-mine' }))
       const duplicate = await pay(app, 'not-mine')
-      t.equal(duplicate.statusCode, 409, 'the store says in progress')
+      t.equal(duplicate.statusCode, 409, 'the store says in progress (after the route\'s wait)')
       await settled()
       t.equal(await prefilter.lookup({ scope: 'tenant', key: 'not-mine' }), null, 'the duplicate\'s own marker did not stay')
       t.equal((await original).statusCode, 201)
@@ -245,14 +281,16 @@ function suite (name: string, connect: () => Redis | Cluster): void {
     })
 
     t.test('a released key clears its marker: the retry executes at once', async (t) => {
-      const { app } = await world(t)
+      const { app } = await world(t, { wait: 1000 })
       let runs = 0
       app.post('/fail', async () => { runs++; throw new Error('boom') })
       const failed = await app.inject({ method: 'POST', url: '/fail', headers: keyed('k5'), payload: {} })
       t.equal(failed.statusCode, 500)
       await settled()
+      const started = Date.now()
       const retry = await app.inject({ method: 'POST', url: '/fail', headers: keyed('k5'), payload: {} })
       t.equal(retry.statusCode, 500, 'not 409: the marker went with the release')
+      t.ok(Date.now() - started < 500, 'and the retry did not wait on it')
       t.equal(runs, 2)
     })
   })

@@ -9,8 +9,8 @@ import { buildApp, deferred, keyed, PROBLEM_TYPE } from './helpers/app.js'
  * `detail`; they never leak the key, a stack trace or a recorded response, and are never recorded.
  */
 
-/** Every kind a memory-store app can produce; `not-committed` and `outcome-unknown` (atomic mode) are tested with the Postgres driver. */
-type MemoryKind = Exclude<ProblemKind, 'not-committed' | 'outcome-unknown'>
+/** Every kind a memory-store app can produce; the atomic mode's kinds are tested with the Postgres driver (and test/profiles.test.ts). */
+type MemoryKind = Exclude<ProblemKind, 'not-committed' | 'outcome-unknown' | 'transaction-ended'>
 
 const KINDS: readonly MemoryKind[] = [
   'key-missing', 'key-invalid', 'key-reused', 'request-in-progress', 'store-unavailable', 'response-not-retained', 'key-unknown',

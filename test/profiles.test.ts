@@ -1,6 +1,6 @@
 import type { FastifyReply, LightMyRequestResponse } from 'fastify'
 import t, { type Test } from 'tap'
-import { memoryStore, RolledBackError, type IdempotencyOptions, type IdempotencyStore, type ProblemKind, type ProfileName } from '../lib/index.js'
+import { memoryStore, RolledBackError, TransactionEndedError, type IdempotencyOptions, type IdempotencyStore, type ProblemKind, type ProfileName } from '../lib/index.js'
 import { applyProblem, buildProblemBodies } from '../lib/problems.js'
 import { buildApp, deferred, keyed } from './helpers/app.js'
 
@@ -13,12 +13,13 @@ import { buildApp, deferred, keyed } from './helpers/app.js'
 
 const KINDS: readonly ProblemKind[] = [
   'key-missing', 'key-invalid', 'key-reused', 'request-in-progress', 'store-unavailable',
-  'response-not-retained', 'not-committed', 'outcome-unknown', 'key-unknown', 'body-too-deep', 'body-too-large'
+  'response-not-retained', 'not-committed', 'outcome-unknown', 'transaction-ended', 'key-unknown', 'body-too-deep', 'body-too-large'
 ]
 
 /**
  * A memory store that fails claims of `fail-` keys, and in atomic mode rolls back the commit of
- * `commit-` keys and loses the answer to the commit of `unknown-` keys.
+ * `commit-` keys, loses the answer to the commit of `unknown-` keys, and reports the transaction of
+ * `ended-` keys ended by the handler (held).
  */
 function faultyStore (t: Test): IdempotencyStore {
   const inner = memoryStore({ purgeInterval: 0 })
@@ -37,6 +38,7 @@ function faultyStore (t: Test): IdempotencyStore {
     complete: async (lease, response, ttl) => {
       if (lease.key.startsWith('commit-')) throw new RolledBackError('the database rolled the transaction back (could not serialize access due to concurrent update)')
       if (lease.key.startsWith('unknown-')) throw new Error('Connection terminated unexpectedly')
+      if (lease.key.startsWith('ended-')) throw new TransactionEndedError(true)
       return inner.complete(lease, response, ttl)
     }
   }
@@ -74,6 +76,7 @@ async function everyKind (t: Test, options: IdempotencyOptions): Promise<Record<
   const notRetained = await post('/big', keyed('big'))
   const notCommitted = await post('/atomic', keyed('commit-1'))
   const outcomeUnknown = await post('/atomic', keyed('unknown-1'))
+  const transactionEnded = await post('/atomic', keyed('ended-1'))
   const unknown = await app.inject({ method: 'GET', url: '/idempotency-keys/never-used' })
   const tooDeep = await app.inject({ method: 'POST', url: '/bounded', headers: keyed('deep'), payload: { a: { b: { c: 1 } } } })
   const tooLarge = await app.inject({ method: 'POST', url: '/bounded', headers: keyed('large'), payload: { items: [1, 2, 3, 4, 5, 6, 7, 8, 9, 10] } })
@@ -86,6 +89,7 @@ async function everyKind (t: Test, options: IdempotencyOptions): Promise<Record<
     'response-not-retained': notRetained,
     'not-committed': notCommitted,
     'outcome-unknown': outcomeUnknown,
+    'transaction-ended': transactionEnded,
     'key-unknown': unknown,
     'body-too-deep': tooDeep,
     'body-too-large': tooLarge
@@ -152,6 +156,14 @@ const IETF: Readonly<Record<ProblemKind, Expected>> = {
       '"detail":"The transaction holding this operation and its Idempotency-Key was sent to be committed, but whether it ' +
       'committed could not be confirmed. Retry the same request with the same Idempotency-Key: it replays the recorded ' +
       'response if the operation committed, and runs it if it did not."}'
+  },
+  // New with the atomic handle's fail-closed end.
+  'transaction-ended': {
+    status: 500,
+    body: '{"type":"tag:fastify-idempotency,2026:transaction-ended","title":"Idempotent operation ended its own transaction",' +
+      '"status":500,"detail":"The transaction holding this operation and its Idempotency-Key was ended by the operation itself, ' +
+      'before its response was recorded, so what it wrote may or may not have been kept. The key is held until the service ' +
+      'reconciles it; retries with it are answered 409 until then."}'
   },
   // New with the status route.
   'key-unknown': {
@@ -222,6 +234,12 @@ const STRIPE: Readonly<Record<ProblemKind, Expected>> = {
     shouldRetry: 'true',
     body: '{"error":{"message":"The operation for this idempotency key was sent to be committed, but whether it committed ' +
       'could not be confirmed. Retry the same request with the same idempotency key.","type":"api_error"}}'
+  },
+  'transaction-ended': {
+    status: 500,
+    shouldRetry: 'true',
+    body: '{"error":{"message":"The operation for this idempotency key ended its own transaction before its response was ' +
+      'recorded. The key is held until the service reconciles it.","type":"api_error"}}'
   },
   'key-unknown': {
     status: 404,

@@ -202,8 +202,8 @@ t.test('a release that rejects after a handler throw: the client gets the 500, n
 
   const res = await post(app, 'release-fails')
   t.equal(res.statusCode, 500, 'the client gets the handler\'s failure')
-  t.equal(releaseCalls, 1, 'release was attempted')
-  t.equal(storeErrors(log.lines).length, 1, 'the failed release is logged')
+  t.equal(releaseCalls, 3, 'release was tried three times')
+  t.equal(storeErrors(log.lines).length, 1, 'the failed release is logged once')
   await sleep(50)
   t.same(unhandled, [], 'no unhandled rejection')
 

@@ -166,7 +166,7 @@ type StoreMethod = 'claim' | 'claimInTransaction' | 'renew' | 'complete' | 'rele
  * stays absent.
  */
 export function loggedStore<S extends IdempotencyStore> (store: S, log: EvidenceLog): S {
-  const timed = async <T>(fn: () => Promise<T>, record: (result: T | null, threw: boolean, start: number) => void): Promise<T> => {
+  const timed = async <T>(fn: () => T | Promise<T>, record: (result: T | null, threw: boolean, start: number) => void): Promise<T> => {
     const start = realNow()
     let result: T
     try {

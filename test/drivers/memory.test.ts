@@ -1,7 +1,7 @@
 import { createHash } from 'node:crypto'
 import t from 'tap'
-import { memoryStore, MemoryStoreFullError } from '../../lib/index.js'
-import type { Fingerprint } from '../../lib/store.js'
+import { memoryStore, MemoryStoreFullError, type MemoryStore } from '../../lib/index.js'
+import type { Fingerprint, IdempotencyStore } from '../../lib/store.js'
 import { manualClock } from '../helpers/app.js'
 import { runConformance } from '../../conformance/index.js'
 
@@ -9,6 +9,41 @@ const fp: Fingerprint = { algorithm: 'canonical-v1', digest: createHash('sha256'
 
 t.test('conformance', async (t) => {
   runConformance({ test: (name, fn) => t.test(name, fn), makeStore: () => memoryStore({ purgeInterval: 0 }) })
+})
+
+/** The memory store behind a wrapper whose operations answer promises, as a store doing I/O does. */
+function promised (store: MemoryStore): IdempotencyStore {
+  return {
+    ...store,
+    claim: async (request) => store.claim(request),
+    complete: async (lease, response, ttlMs) => store.complete(lease, response, ttlMs),
+    release: async (lease) => store.release(lease),
+    renew: async (lease, leaseMs) => store.renew(lease, leaseMs),
+    hold: async (lease) => store.hold(lease)
+  }
+}
+
+t.test('conformance of the same store answering promises: the suite takes results directly or as promises', async (t) => {
+  runConformance({ test: (name, fn) => t.test(name, fn), makeStore: () => promised(memoryStore({ purgeInterval: 0 })) })
+})
+
+t.test('claim, complete, release, renew and hold answer directly, not with promises', async (t) => {
+  const store = memoryStore({ purgeInterval: 0 })
+  t.teardown(() => store.close())
+  const claim = store.claim({ scope: 's', key: 'k', fingerprint: fp, leaseMs: 100, ttlMs: 1000 })
+  t.equal(claim.outcome, 'acquired')
+  if (claim.outcome !== 'acquired') return
+  t.equal(store.renew(claim.lease, 100), true)
+  t.equal(store.hold(claim.lease), true)
+  t.equal(store.complete(claim.lease, { statusCode: 200, headers: {}, body: Buffer.from('ok') }, 1000), true)
+  t.equal(store.release(claim.lease), false)
+  t.equal(store.claim({ scope: 's', key: 'k', fingerprint: fp, leaseMs: 100, ttlMs: 1000 }).outcome, 'completed')
+  t.notOk('sync' in store, 'no second way in beside the methods')
+
+  const small = memoryStore({ purgeInterval: 0, maxEntries: 1 })
+  t.teardown(() => small.close())
+  small.claim({ scope: 's', key: 'k', fingerprint: fp, leaseMs: 100, ttlMs: 1000 })
+  t.throws(() => small.claim({ scope: 's', key: 'other', fingerprint: fp, leaseMs: 100, ttlMs: 1000 }), MemoryStoreFullError, 'a failure throws (the plugin takes a throw as a rejection)')
 })
 
 t.test('expiry is honoured on every read and claim, to the millisecond', async (t) => {
@@ -28,24 +63,41 @@ t.test('expiry is honoured on every read and claim, to the millisecond', async (
 
 t.test('a full store refuses new claims with a clear error and never drops live records', async (t) => {
   const clock = manualClock()
-  // One scope filling the whole store: its share made the whole store (test/memory-fairness.test.ts tests the shares).
-  const store = memoryStore({ now: clock.now, purgeInterval: 0, maxEntries: 3, maxEntriesPerScope: 3 })
+  // One scope alone may fill the whole store (test/memory-fairness.test.ts tests the shares).
+  const store = memoryStore({ now: clock.now, purgeInterval: 0, maxEntries: 3 })
   t.teardown(() => store.close())
   for (let i = 0; i < 3; i++) await store.claim({ scope: 's', key: `k${i}`, fingerprint: fp, leaseMs: 100, ttlMs: 1000 })
-  await t.rejects(store.claim({ scope: 's', key: 'k3', fingerprint: fp, leaseMs: 100, ttlMs: 1000 }), MemoryStoreFullError)
+  t.throws(() => store.claim({ scope: 's', key: 'k3', fingerprint: fp, leaseMs: 100, ttlMs: 1000 }), MemoryStoreFullError)
   for (let i = 0; i < 3; i++) t.equal((await store.get({ scope: 's', key: `k${i}` }))?.state, 'in_progress', `k${i} kept`)
   t.equal((await store.claim({ scope: 's', key: 'k0', fingerprint: fp, leaseMs: 100, ttlMs: 1000 })).outcome, 'in_progress', 'existing keys still answer')
   clock.advance(2000)
   t.equal((await store.claim({ scope: 's', key: 'k3', fingerprint: fp, leaseMs: 100, ttlMs: 1000 })).outcome, 'acquired', 'room is made from expired records')
 })
 
-t.test('the byte bound counts recorded bodies', async (t) => {
+t.test('the byte bound counts recorded bodies, and a response that does not fit is recorded without its body', async (t) => {
   const store = memoryStore({ purgeInterval: 0, maxBytes: 4096 })
   t.teardown(() => store.close())
-  const claim = await store.claim({ scope: 's', key: 'big', fingerprint: fp, leaseMs: 100, ttlMs: 60_000 })
+  const claim = store.claim({ scope: 's', key: 'big', fingerprint: fp, leaseMs: 100, ttlMs: 60_000 })
   if (claim.outcome !== 'acquired') return t.fail('not acquired')
-  t.ok(await store.complete(claim.lease, { statusCode: 200, headers: {}, body: Buffer.alloc(5000) }, 60_000), 'a completion is never refused: the effect happened')
-  await t.rejects(store.claim({ scope: 's', key: 'next', fingerprint: fp, leaseMs: 100, ttlMs: 60_000 }), MemoryStoreFullError)
+  const claimed = store.usage().bytes
+  t.ok(store.complete(claim.lease, { statusCode: 200, headers: { 'content-type': 'text/plain' }, body: Buffer.alloc(5000) }, 60_000), 'a completion is never refused: the effect happened')
+  t.ok(store.usage().bytes <= claimed, `recording the outcome alone needed no more than the claim counted (${store.usage().bytes} of ${claimed})`)
+  const record = await store.get({ scope: 's', key: 'big' })
+  t.same(record?.state === 'completed' ? record.response : null, { statusCode: 200, headers: {}, body: null }, 'the outcome is recorded without its body and headers: a retry gets 410, never a re-execution')
+  const fits = store.claim({ scope: 's', key: 'fits', fingerprint: fp, leaseMs: 100, ttlMs: 60_000 })
+  if (fits.outcome !== 'acquired') return t.fail('not acquired')
+  t.ok(store.complete(fits.lease, { statusCode: 201, headers: {}, body: Buffer.alloc(1000, 1) }, 60_000))
+  const kept = await store.get({ scope: 's', key: 'fits' })
+  t.equal(kept?.state === 'completed' ? kept.response.body?.length : null, 1000, 'a body that fits is kept whole')
+  let claims = 0
+  for (; claims < 100; claims++) {
+    try { store.claim({ scope: 's', key: `next-${claims}`, fingerprint: fp, leaseMs: 100, ttlMs: 60_000 }) } catch (err) {
+      t.type(err, MemoryStoreFullError)
+      break
+    }
+  }
+  t.ok(claims < 100, `claims are refused once their records would not fit (${claims} more fitted)`)
+  t.ok(store.usage().bytes <= 4096, `the bound holds (${store.usage().bytes} bytes)`)
 })
 
 t.test('the purge timer sweeps expired records and close clears it', async (t) => {

@@ -266,7 +266,7 @@ function suite (url: string): void {
     t.equal(outcome, 'returned', 'migrate() sent no DDL that waits for the transactions in flight')
     const store = postgresStore({ ...storeConnection(sql), schema: migrated, purgeInterval: 0 })
     const claim = await Promise.race([
-      store.claim({ scope: 's', key: 'after-migrate', fingerprint: A, leaseMs: LONG, ttlMs: LONG }).then((c) => c.outcome),
+      Promise.resolve(store.claim({ scope: 's', key: 'after-migrate', fingerprint: A, leaseMs: LONG, ttlMs: LONG })).then((c) => c.outcome),
       sleep(5000).then(() => 'queued behind a lock')
     ])
     t.equal(claim, 'acquired', 'a claim right after it is answered')

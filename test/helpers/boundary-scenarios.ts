@@ -170,6 +170,37 @@ export function boundaryScenarios (t: Test, env: BoundaryEnvironment): void {
     t.equal(runs, 1)
   })
 
+  t.test('a store unreachable for less than a lease while the answer is recorded: renewal goes on, the record lands, the handler ran once', async (t) => {
+    let down = false
+    const unreachable = (): Promise<never> => Promise.reject(new Error('connect ECONNREFUSED'))
+    const w = await world(t, (store) => ({
+      ...store,
+      claim: (request) => down ? unreachable() : store.claim(request),
+      complete: (lease, response, ttl) => down ? unreachable() : store.complete(lease, response, ttl),
+      renew: (lease, ms) => down ? unreachable() : store.renew(lease, ms),
+      release: (lease) => down ? unreachable() : store.release(lease)
+    }), { lease: 1500 })
+    let runs = 0
+    w.app.post('/pay', async (_request, reply) => {
+      runs++
+      // The store goes away as the answer is to be recorded, for longer than the writes the client
+      // waits for (about 300 ms) and shorter than a lease.
+      down = true
+      setTimeout(() => { down = false }, 400)
+      return reply.code(201).send({ id: `ch_${runs}` })
+    })
+    const original = await w.post('/pay', 'outage')
+    t.equal(original.statusCode, 201, 'the client gets its answer once the waited writes are spent')
+    await sleep(800)
+    t.equal((await w.post('/pay', 'outage')).statusCode, 409, 'past the outage, the owner still holds the key: renewal went on')
+    t.ok(await eventually(async () => (await w.record('outage'))?.state === 'completed', 4000), 'the record is written once the store is back')
+    await sleep(1700) // past a lease: a lapsed lease would now be taken over
+    const replay = await w.post('/pay', 'outage')
+    t.equal(replay.headers['idempotent-replayed'], 'true', 'the retry replays the recorded answer')
+    t.equal(replay.body, original.body)
+    t.equal(runs, 1, 'the handler ran once')
+  })
+
   t.test('case 3: a handler slower than the route\'s ttl keeps its in-progress record while it renews', async (t) => {
     const w = await world(t)
     let runs = 0

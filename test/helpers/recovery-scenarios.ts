@@ -13,7 +13,7 @@ import { deferred } from './app.js'
 export type RecoveryStore = IdempotencyStore & RecoveryTools & {
   loadSteps (lease: Lease): Promise<StepResults | null>
   saveStep (lease: Lease, name: string, resultJson: string): Promise<boolean>
-  hold (lease: Lease): Promise<boolean>
+  hold (lease: Lease): boolean | Promise<boolean>
 }
 
 export interface RecoveryEnvironment {
