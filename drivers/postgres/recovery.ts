@@ -40,8 +40,8 @@ export function createRecovery (db: DatabaseClient, table: string): Recovery {
   const loadStepsText = `SELECT steps FROM ${table} WHERE ${owned}`
 
   // `steps || $5` adds one name; the NOT clause keeps a recorded step from ever being overwritten.
-  // The step is bound as a one-entry JSON object built by the app (no volatile function in an
-  // UPDATE on Citus; citus-notes 2).
+  // The step is bound as a one-entry JSON object built by the app (Citus refuses a volatile
+  // function in an UPDATE or DELETE).
   const saveStepText = `
     UPDATE ${table} SET steps = steps || $5::text::jsonb
     WHERE ${owned} AND NOT (steps ? $4)`
@@ -69,13 +69,18 @@ export function createRecovery (db: DatabaseClient, table: string): Recovery {
 
   const leaveText = `UPDATE ${table} SET indeterminate = $4::boolean, lease_expires_at = now() WHERE ${owned}`
 
-  // A resumed record waits for a retry to take it over; no longer held, it expires again, $4 ms from now at the earliest.
+  // A resumed record waits for a retry to take it over; no longer held, it expires again, $4 ms from
+  // now at the earliest. A held record's 'infinity' becomes NULL, which greatest() skips, so it gets
+  // exactly now() + $4. Not a CASE: Citus refuses a non-immutable function (now()) inside CASE or
+  // COALESCE of a statement that writes a distributed table (SQLSTATE 0A000), and the record could
+  // then never be resumed.
   const resumeText = `
     UPDATE ${table}
     SET indeterminate = false, lease_expires_at = now(),
-        expires_at = CASE WHEN expires_at = 'infinity' THEN now() + ${ms(4)} ELSE greatest(expires_at, now() + ${ms(4)}) END
+        expires_at = greatest(nullif(expires_at, 'infinity'), now() + ${ms(4)})
     WHERE ${owned}`
 
+  // CASE with now() is accepted here: Citus refuses it only in a statement that writes.
   const inspectColumns = `state, fingerprint_algorithm, fingerprint, indeterminate, steps, created_at,
       CASE WHEN state = 'in_progress' THEN greatest(0, ceil((extract(epoch FROM lease_expires_at) - extract(epoch FROM now())) * 1000)) ELSE 0 END::float8,
       greatest(0, floor((extract(epoch FROM expires_at) - extract(epoch FROM now())) * 1000))::float8,

@@ -14,9 +14,12 @@
 -- several commands ("cannot insert multiple commands into a prepared statement"). migrate() sends
 -- one statement at a time and works on distributed tables too.
 --
--- On Citus, distribute the tables by scope after the first application (not again on upgrades):
+-- On Citus, distribute the tables by scope after the first application:
 --   SELECT create_distributed_table('idempotency_records', 'scope')
 --   SELECT create_distributed_table('idempotency_records_outbox', 'scope', colocate_with => 'idempotency_records')
+-- A table is distributed once, not again on upgrades. A table an upgrade creates stays a plain
+-- table on the coordinator until it is distributed: after the upgrade that adds the outbox to an
+-- existing records table, run the second line.
 
 CREATE TABLE IF NOT EXISTS idempotency_records (
   scope                 text COLLATE "C" NOT NULL,
