@@ -72,11 +72,17 @@ export class RolledBackError extends Error {
 export class TransactionEndedError extends Error {
   readonly code = 'FST_IDEMPOTENCY_TRANSACTION_ENDED'
   readonly held: boolean
+  /** Set for a transactional step's transaction (`step(name, fn, { transaction: true })`): its name. */
+  readonly step: string | null
 
-  constructor (held: boolean, options?: { cause?: unknown }) {
-    super(`fastify-idempotency: the request's transaction was ended through request.idempotency.sql (COMMIT, ROLLBACK or PREPARE TRANSACTION) before its response was recorded; ${held ? 'the key is held for the reconciler' : 'the key could not be held'}`, options)
+  constructor (held: boolean, options?: { cause?: unknown, step?: string }) {
+    const step = options?.step ?? null
+    super(step === null
+      ? `fastify-idempotency: the request's transaction was ended through request.idempotency.sql (COMMIT, ROLLBACK or PREPARE TRANSACTION) before its response was recorded; ${held ? 'the key is held for the reconciler' : 'the key could not be held'}`
+      : `fastify-idempotency: the transaction of step "${step}" was ended through its handle before the step was recorded; what it wrote may have committed, so the request's failure is indeterminate (its key is held)`, { cause: options?.cause })
     this.name = 'TransactionEndedError'
     this.held = held
+    this.step = step
   }
 }
 

@@ -1,7 +1,7 @@
 import type { IdempotencyContext, RequestState } from './context.js'
 import { checkName, deriveKey } from './derive.js'
 import type { Engine } from './engine.js'
-import { LeaseLostError } from './errors.js'
+import { LeaseLostError, TransactionEndedError } from './errors.js'
 import type { Fingerprint, Lease, OutboxEntry } from './store.js'
 import { bounded } from './timeout.js'
 
@@ -114,6 +114,9 @@ async function runStep (engine: Engine, state: RequestState, name: string, fn: (
       json = await (store.runStepInTransaction as NonNullable<typeof store.runStepInTransaction>)(lease, name, async (tx) => await fn(tx), toJson)
     } catch (err) {
       state.enqueued = false
+      // fn ended the step's transaction itself: its writes may have committed without the step's
+      // record, so the step counts as having taken effect (a failure is indeterminate: the key is held).
+      if (err instanceof TransactionEndedError) lifecycle.stepCompleted()
       throw err
     }
     if (json === null) state.enqueued = false

@@ -188,6 +188,9 @@ export interface IdempotencyStore {
    *   plugin answers so instead of claiming a rollback;
    * - `release(lease)` rolls back, removing the claim and everything the handler wrote;
    * - the transaction handle refuses to run anything once it has ended;
+   * - when the handler ended the transaction itself through the handle (COMMIT, ROLLBACK, PREPARE
+   *   TRANSACTION), `complete` and `release` hold the key for the reconciler instead and reject
+   *   with `TransactionEndedError`: what it wrote may have committed without the record;
    * - `renew` has nothing to do (the open transaction holds the record; a crash rolls it back).
    * A concurrent claim of the same key blocks up to `waitMs` on the uncommitted record, then
    * reports it in progress (a driver that cannot tell that wait from a momentary lock may try once
@@ -218,7 +221,9 @@ export interface IdempotencyStore {
    * `fn(transaction)` in a new transaction, serializes its result with `toJson`, and records the step
    * in that same transaction, fenced like `saveStep`, so the step's writes and its record commit
    * together. Returns the recorded JSON, or null when the lease no longer owns the record (then
-   * everything `fn` wrote is rolled back). An error thrown by `fn` rolls back and propagates.
+   * everything `fn` wrote is rolled back). An error thrown by `fn` rolls back and propagates. When
+   * `fn` ended the transaction itself, nothing is recorded and it rejects with
+   * `TransactionEndedError` (the plugin then treats the step as having taken effect).
    */
   runStepInTransaction? (lease: Lease, name: string, fn: (transaction: unknown) => Promise<unknown>, toJson: (value: unknown) => string): Promise<string | null>
 

@@ -2,6 +2,7 @@ import Fastify, { type FastifyInstance } from 'fastify'
 import t, { type Test } from 'tap'
 import idempotency, { memoryStore, type IdempotencyOptions, type IdempotencyStore } from '../lib/index.js'
 import type { IdempotencyPrefilter } from '../lib/prefilter.js'
+import type { Answer } from '../lib/store.js'
 import { keyed, sleep } from './helpers/app.js'
 
 /*
@@ -14,11 +15,11 @@ const LEASE = 300
 
 /** The memory store with some operations delayed (or never answered), as a slow network would. */
 function delayed (inner: IdempotencyStore, delays: { claim?: () => number | null, renew?: () => number | null, release?: () => number | null }): IdempotencyStore {
-  const after = <T>(ms: number | null | undefined, call: () => T): T | Promise<T> => {
+  const after = <T>(ms: number | null | undefined, call: () => Answer<T>): Answer<T> => {
     if (ms === undefined) return call()
     // Applied at once, answered later (or never): the store did the work, the answer is slow.
     const result = call()
-    return ms === null ? new Promise<T>(() => {}) : sleep(ms).then(() => result)
+    return ms === null ? new Promise<T>(() => {}) : sleep(ms).then(async () => await result)
   }
   return {
     ...inner,

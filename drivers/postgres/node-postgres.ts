@@ -1,5 +1,5 @@
 import { createHash } from 'node:crypto'
-import type { DatabaseClient, Queryable, Rows, TransactionConnection, TransactionHooks, Value } from './client.js'
+import { TRANSACTION_MARK, type DatabaseClient, type Ended, type Queryable, type Rows, type TransactionConnection, type TransactionHooks, type Value } from './client.js'
 import { connectionState, type ConnectionState } from './dropped-connection.js'
 import { guardPoolClient } from './node-postgres-guard.js'
 import { nodePostgresTypes } from './node-postgres-types.js'
@@ -128,9 +128,21 @@ const rowsOf = (result: QueryResult): Rows => ({ rows: result.rows as unknown[][
 export function nodePostgresClient (pool: NodePostgresPool): DatabaseClient {
   const handles = new WeakMap<object, Queryable>()
 
-  /** `prelude`: what was sent with BEGIN (hooks.prelude), still to be skipped by a first around(). */
-  function transactionConnection (client: NodePostgresPoolClient, connection: ConnectionState, prelude: string | null): TransactionConnection {
+  /**
+   * `prelude`: what was sent with BEGIN (hooks.prelude), still to be skipped by a first around().
+   * `endHandle` ends the guarded handle's part, if one was given out (transaction(): before COMMIT
+   * or ROLLBACK, so none of its queries, still waiting in its own line, is sent after them).
+   */
+  function transactionConnection (client: NodePostgresPoolClient, connection: ConnectionState, prelude: string | null): { readonly tx: TransactionConnection, endHandle (): Promise<unknown> } {
     let sentWithBegin = prelude
+    let guard: ReturnType<typeof guardPoolClient> | null = null
+    /** Set when the guard ended: the driver's statements wait for the handle's last ones (client.ts, guarded). */
+    let handleDone: Promise<Ended | null> | null = null
+    const end = (): Promise<Ended | null> => {
+      if (guard === null) return Promise.resolve(null)
+      handleDone ??= guard.end()
+      return handleDone
+    }
     const watch = async (sent: Promise<QueryResult>): Promise<QueryResult> => {
       try {
         return await sent
@@ -142,17 +154,19 @@ export function nodePostgresClient (pool: NodePostgresPool): DatabaseClient {
     const live = (): void => { if (connection.lost !== null) throw connection.lost }
     const queryable: Queryable = {
       async query (text, values) {
+        if (handleDone !== null) await handleDone
         live()
         return rowsOf(await watch(client.query(prepared(text, values))))
       }
     }
-    return {
+    const tx: TransactionConnection = {
       connection,
       query: queryable.query,
       // node-postgres sends one query at a time on a client (queueing more is deprecated outside
       // its pipeline mode): each statement only after the one before succeeded. `before` went
       // with BEGIN when it was the transaction's prelude: two round trips then, not three.
       async around (before, statement, after) {
+        if (handleDone !== null) await handleDone
         live()
         if (before === sentWithBegin) {
           sentWithBegin = null
@@ -165,17 +179,21 @@ export function nodePostgresClient (pool: NodePostgresPool): DatabaseClient {
         return result
       },
       guarded () {
-        const guard = guardPoolClient(client, connection, isNodePostgresConnectionError)
+        // TRANSACTION_MARK went with BEGIN (transaction(), below).
+        const guarded = guardPoolClient(client, connection, isNodePostgresConnectionError, (text) => ({ text, rowMode: 'array', types: nodePostgresTypes }))
+        guard = guarded
         // What enqueue() writes through: the guarded client, so it too is refused once the transaction ended.
-        const handle = guard.handle as NodePostgresPoolClient
-        handles.set(guard.handle, { query: async (text, values) => rowsOf(await handle.query(prepared(text, values))) })
-        return guard
+        const handle = guarded.handle as NodePostgresPoolClient
+        handles.set(guarded.handle, { query: async (text, values) => rowsOf(await handle.query(prepared(text, values))) })
+        return { handle: guarded.handle, end }
       },
       async simple (text) {
+        if (handleDone !== null) await handleDone
         live()
         await watch(client.query(text))
       }
     }
+    return { tx, endHandle: end }
   }
 
   return {
@@ -193,18 +211,22 @@ export function nodePostgresClient (pool: NodePostgresPool): DatabaseClient {
       const onError = (err: Error): void => { connection.lose(err) }
       const client = await checkOut(pool, onError)
       const prelude = hooks?.prelude ?? null
-      const tx = transactionConnection(client, connection, prelude)
+      const { tx, endHandle } = transactionConnection(client, connection, prelude)
       /** BEGIN was sent and COMMIT not yet: a ROLLBACK is due if anything fails. */
       let open = false
       /** The connection is in a state no one should reuse (a ROLLBACK that failed). */
       let broken: Error | null = null
       try {
-        // One round trip for BEGIN and what must follow it (atomic mode: the claim's lock timeout).
-        // Open from here: if the prelude fails after BEGIN, the client must not go back to the pool
-        // inside an aborted transaction block (a ROLLBACK without one is only a warning).
+        // One round trip for BEGIN and what must follow it: the mark a guarded handle's probe reads
+        // (client.ts, TRANSACTION_MARK; set in every transaction, since it costs nothing here and
+        // a node-postgres client sends one query at a time, so setting it later would cost a round
+        // trip), and atomic mode's lock timeout for the claim. Open from here: if the prelude fails
+        // after BEGIN, the client must not go back to the pool inside an aborted transaction block
+        // (a ROLLBACK without one is only a warning).
         open = true
-        await tx.simple(prelude === null ? 'BEGIN' : `BEGIN; ${prelude}`)
+        await tx.simple(prelude === null ? `BEGIN; ${TRANSACTION_MARK}` : `BEGIN; ${TRANSACTION_MARK}; ${prelude}`)
         const result = await body(tx)
+        await endHandle()
         if (connection.lost !== null) throw connection.lost
         open = false
         hooks?.commitSent?.()
@@ -213,6 +235,7 @@ export function nodePostgresClient (pool: NodePostgresPool): DatabaseClient {
       } catch (err) {
         if (open && connection.lost === null) {
           try {
+            await endHandle()
             await tx.simple('ROLLBACK')
           } catch (rollbackError) {
             broken = rollbackError as Error

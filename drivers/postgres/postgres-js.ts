@@ -1,5 +1,5 @@
 import type { Sql, TransactionSql } from 'postgres'
-import type { DatabaseClient, Queryable, Rows, TransactionConnection, Value } from './client.js'
+import { TRANSACTION_MARK, type DatabaseClient, type Ended, type Queryable, type Rows, type TransactionConnection, type Value } from './client.js'
 import { beginOnLiveConnection, watched } from './dropped-connection.js'
 import { guardTransaction } from './postgres-js-guard.js'
 
@@ -18,12 +18,38 @@ export function postgresJsClient (sql: Sql<any>): DatabaseClient {
   /** The connection behind each guarded handle this client gave out. */
   const handles = new WeakMap<object, Queryable>()
 
-  function transactionConnection (tx: TransactionSql<any>, connection: TransactionConnection['connection']): TransactionConnection {
+  /**
+   * A transaction's connection, and what the client needs to know of its guarded handle: whether
+   * its transaction ended under it and postgres.js took the connection back (client.ts, Ended).
+   * From then on nothing is sent through the transaction: its methods throw.
+   */
+  function transactionConnection (tx: TransactionSql<any>, connection: TransactionConnection['connection']): { readonly tx: TransactionConnection, givenBack (): Promise<boolean> } {
     const queryable = statementsOn(tx)
-    return {
+    let guard: ReturnType<typeof guardTransaction> | null = null
+    /** Set when the guard ended: the driver's statements wait for the handle's last ones (client.ts, guarded). */
+    let handleDone: Promise<Ended | null> | null = null
+    let released = false
+    /** Only when the guard has ended: until then a statement is sent the moment it is called, which around() relies on. */
+    const ready = async (done: Promise<unknown>): Promise<void> => {
+      await done
+      if (released) throw givenBackError()
+    }
+    const end = (): Promise<Ended | null> => {
+      if (guard === null) return Promise.resolve(null)
+      handleDone ??= guard.end().then((ended) => {
+        released = ended?.released === true
+        return ended
+      })
+      return handleDone
+    }
+    const txc: TransactionConnection = {
       connection,
-      query: (text, values) => watched(connection, queryable.query(text, values)),
+      async query (text, values) {
+        if (handleDone !== null) await ready(handleDone)
+        return await watched(connection, queryable.query(text, values))
+      },
       async around (before, statement, after) {
+        if (handleDone !== null) await ready(handleDone)
         // postgres.js sends a query when it is first awaited: execute() puts `before` on the wire
         // first, the statement is sent as soon as it is called, and `after` behind it.
         const first = tx.unsafe(before).execute()
@@ -31,15 +57,23 @@ export function postgresJsClient (sql: Sql<any>): DatabaseClient {
         return result
       },
       guarded () {
-        const guard = guardTransaction(tx, connection)
+        // The probe's mark (client.ts, TRANSACTION_MARK), written ahead of the handle's first query
+        // (postgres.js sends in the order queries are executed): no round trip of its own. A
+        // failure would be the transaction's, and rolls it back as any failed statement does.
+        watched(connection, tx.unsafe(TRANSACTION_MARK).execute()).catch(() => {})
+        const guarded = guardTransaction(tx, connection)
+        guard = guarded
         // What enqueue() writes through: the guarded handle, so it too is refused once the transaction ended.
-        handles.set(guard.sql, statementsOn(guard.sql))
-        return { handle: guard.sql, end: guard.end }
+        handles.set(guarded.sql, statementsOn(guarded.sql))
+        return { handle: guarded.sql, end }
       },
       async simple (text) {
+        if (handleDone !== null) await ready(handleDone)
         await watched(connection, tx.unsafe(text))
       }
     }
+    // The handle's part is over once the body is: its end tells whether the connection is still the transaction's.
+    return { tx: txc, givenBack: async () => (await end())?.released === true }
   }
 
   return {
@@ -50,20 +84,47 @@ export function postgresJsClient (sql: Sql<any>): DatabaseClient {
     },
     ...statementsOn(sql),
     identifier: (name) => identifier(sql, name),
+    /**
+     * `sql.begin`, with one more case than dropped-connection.ts covers: once postgres.js has taken
+     * the connection back (its transaction ended through the guarded handle and left the session
+     * idle), the COMMIT or ROLLBACK it sends when the callback settles would run in whatever
+     * session uses that connection next, maybe inside another transaction. The callback is then
+     * left pending, as on a dropped connection, and the promise returned here settles by itself:
+     * with what the body threw, or an error if it returned (nothing was committed by it).
+     */
     transaction (body, hooks) {
-      return beginOnLiveConnection(sql, async (tx, connection) => {
-        const result = await body(transactionConnection(tx, connection))
+      let giveBack!: (err: unknown) => void
+      const givenBack = new Promise<never>((_resolve, reject) => { giveBack = reject })
+      const begun = beginOnLiveConnection(sql, async (tx, connection) => {
+        const transaction = transactionConnection(tx, connection)
+        let result: Awaited<ReturnType<typeof body>>
+        try {
+          result = await body(transaction.tx)
+        } catch (err) {
+          if (connection.lost === null && await transaction.givenBack()) {
+            giveBack(err)
+            return await new Promise<never>(() => {})
+          }
+          throw err
+        }
         if (connection.lost !== null) throw connection.lost
+        if (await transaction.givenBack()) {
+          giveBack(givenBackError())
+          return await new Promise<never>(() => {})
+        }
         // Returning lets postgres.js send COMMIT.
         hooks?.commitSent?.()
         return result
       })
+      return Promise.race([begun, givenBack])
     },
     connectionOf: (handle) => (typeof handle === 'function' || typeof handle === 'object') && handle !== null ? handles.get(handle) ?? null : null,
     // A PANIC is not an answer about the commit: see node-postgres.ts, isServerError.
     isServerError: (err) => (err as { name?: unknown } | null)?.name === 'PostgresError' && (err as { severity?: unknown }).severity !== 'PANIC'
   }
 }
+
+const givenBackError = (): Error => new Error("fastify-idempotency: the transaction ended through its handle, and postgres.js took its connection back to its pool: nothing more is sent through it, and nothing was committed by the driver")
 
 function statementsOn (sql: Sql<any> | TransactionSql<any>): Queryable {
   return {

@@ -1,8 +1,9 @@
 import { randomUUID } from 'node:crypto'
 import type { InspectedRecord } from '../../lib/admin.js'
+import { TransactionEndedError } from '../../lib/errors.js'
 import type { ReconcileSource } from '../../lib/reconcile.js'
 import type { Lease, RecordId, StepResults, StoredResponse } from '../../lib/store.js'
-import type { DatabaseClient, Value } from './client.js'
+import type { DatabaseClient, Ended, Value } from './client.js'
 import { asDate } from './dates.js'
 
 /*
@@ -121,6 +122,7 @@ export function createRecovery (db: DatabaseClient, table: string): Recovery {
         return await db.transaction(async (tx) => {
           const guarded = tx.guarded()
           let value: unknown
+          let ended: Ended | null = null
           try {
             value = await fn(guarded.handle)
           } finally {
@@ -128,8 +130,11 @@ export function createRecovery (db: DatabaseClient, table: string): Recovery {
             // the step's code sends after that (a write it did not await) would otherwise be queued
             // behind the step's record, COMMIT or ROLLBACK and run on its own once they are done:
             // committed outside the step, even after a rollback, or on postgres.js never answered.
-            guarded.end()
+            ended = await guarded.end()
           }
+          // fn ended the step's transaction itself: what it wrote may have committed without the
+          // step's record, so the step is not recorded and counts as having taken effect.
+          if (ended !== null) throw new TransactionEndedError(false, { cause: ended.reason, step: name })
           const json = toJson(value)
           if (tx.connection.lost !== null) throw tx.connection.lost
           // In the step's transaction: the record is written (and the row locked) only if this

@@ -59,6 +59,30 @@ export interface Statements {
   purge (limit: number): Promise<number>
 }
 
+/**
+ * Atomic mode's statements (transaction.ts), run inside the request's transaction. The claim,
+ * reclaim and takeover write the record already HELD for the reconciler (`indeterminate`, lease
+ * ended, never expiring: what recovery.ts `hold` writes), and `complete` makes it an ordinary
+ * completed record. Nobody sees the row before the transaction commits, so a request that ends
+ * normally never shows the held state; but a transaction committed early by the handler itself
+ * (a COMMIT through `request.idempotency.sql`), however little runs after that (the process may
+ * die right then), leaves a record that no retry takes over or reclaims, and that the reconciler
+ * resolves, instead of one whose lease a retry takes over to run the operation a second time.
+ */
+export interface AtomicStatements {
+  claim (args: AtomicClaimArgs): Promise<ClaimStatementResult>
+  reclaim (args: AtomicClaimArgs, seenToken: string): Promise<boolean>
+  takeover (args: AtomicClaimArgs, seenToken: string): Promise<boolean>
+  complete (lease: Lease, response: StoredResponse, ttlMs: number): Promise<boolean>
+  /** Holds the record `lease` owns (what recovery.ts `hold` writes); false when it owns none. */
+  holdOwned (lease: Lease): Promise<boolean>
+  /** Inserts a held record for the key; false when a record is already there. */
+  insertHeld (args: AtomicClaimArgs): Promise<boolean>
+}
+
+/** An atomic claim has no lease to bind: its record is held until the transaction records the response. */
+export type AtomicClaimArgs = Omit<ClaimArgs, 'leaseMs' | 'ttlMs'>
+
 type Headers = StoredResponse['headers']
 
 /** Columns of the claim and get statements, in SELECT order. */
@@ -69,16 +93,6 @@ type RecordColumns = [
 ]
 type ClaimColumns = [acquired: boolean, ...RecordColumns]
 
-/**
- * `db` is the pool (lease mode) or a transaction's connection (atomic mode); `table` the quoted,
- * schema-qualified name of the records table.
- *
- * Every statement's text is built ONCE, here, and each call only binds its values: building a
- * statement from nested fragments on every call (and so its ~1 kB text and the prepared-statement
- * lookup key) was most of the driver's CPU time. The values are the only input: no text is ever
- * built from one. Where a parameter's type matters, the text casts it; the others (scope, key, the
- * fingerprint algorithm) take their column's type, text.
- */
 /** now() plus the duration in ms bound as parameter $n. */
 export const later = (n: number): string => `now() + $${n}::float8 * interval '1 millisecond'`
 // Milliseconds from now until a timestamp, as epochs: a held record's expires_at is 'infinity'
@@ -97,7 +111,15 @@ export const RECORD_COLUMNS = `
     response_status, response_headers, CASE WHEN expires_at > now() THEN response_body END,
     greatest(0, floor(${msUntil('expires_at')}))::float8`
 
-export function createStatements (db: Queryable, table: string): Statements {
+/**
+ * Every statement's text, for `table` (the quoted, schema-qualified name of the records table).
+ * Each is built ONCE per table (textsFor), and each call only binds its values: building a
+ * statement from nested fragments on every call (and so its ~1 kB text and the prepared-statement
+ * lookup key) was most of the driver's CPU time. The values are the only input: no text is ever
+ * built from one. Where a parameter's type matters, the text casts it; the others (scope, key, the
+ * fingerprint algorithm) take their column's type, text.
+ */
+function buildTexts (table: string) {
   // claim, reclaim and takeover bind the same values (claimValues), in this order:
   // $1 scope, $2 key, $3 digest, $4 algorithm, $5 new token, $6 lease ms, $7 ttl ms, $8 seen token.
 
@@ -203,6 +225,84 @@ export function createStatements (db: Queryable, table: string): Statements {
       AND (scope, key) IN (SELECT scope, key FROM ${table} WHERE expires_at <= now() LIMIT $1::int)
   `
 
+  // Atomic mode (AtomicStatements). They bind, in this order: $1 scope, $2 key, $3 digest,
+  // $4 algorithm, $5 new token, $6 seen token (reclaim and takeover). A held record is what
+  // recovery.ts `hold` writes: in progress, `indeterminate`, its lease ended (lease_expires_at =
+  // now(), so the reconciler finds it as soon as it is committed) and never expiring ('infinity':
+  // never reclaimed as a fresh record, never purged). Citus: constants and now() only, no CASE, no
+  // volatile function, DO NOTHING on conflict, `scope = $1` in every WHERE.
+  const held = "state = 'in_progress', lease_expires_at = now(), expires_at = 'infinity', indeterminate = true"
+  const insertHeld = `
+      INSERT INTO ${table} (scope, key, fingerprint, fingerprint_algorithm, state, owner_token, lease_expires_at, expires_at, indeterminate)
+      VALUES ($1, $2, $3::bytea, $4, 'in_progress', $5::uuid, now(), 'infinity', true)
+      ON CONFLICT (scope, key) DO NOTHING`
+
+  // The lease-mode claim with the held insert; the record in the way is read as lease mode reads it.
+  const atomicClaimText = `
+    WITH claimed AS (${insertHeld}
+      RETURNING true AS acquired
+    )
+    SELECT acquired, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL FROM claimed
+    UNION ALL
+    SELECT false, ${RECORD_COLUMNS}
+    FROM ${table}
+    WHERE scope = $1 AND key = $2 AND NOT EXISTS (SELECT FROM claimed)
+  `
+
+  const atomicReclaimText = `
+    UPDATE ${table}
+    SET fingerprint = $3::bytea, fingerprint_algorithm = $4, owner_token = $5::uuid, ${held}, created_at = now(),
+        response_status = NULL, response_headers = NULL, response_body = NULL, steps = '{}'
+    WHERE scope = $1 AND key = $2 AND owner_token = $6::uuid AND expires_at <= now()
+  `
+
+  // A lapsed lease-mode record keeps its recorded steps, as a lease-mode takeover does.
+  const atomicTakeoverText = `
+    UPDATE ${table}
+    SET owner_token = $5::uuid, ${held}
+    WHERE scope = $1 AND key = $2 AND owner_token = $6::uuid
+      AND state = 'in_progress' AND lease_expires_at <= now() AND NOT indeterminate AND expires_at > now()
+      AND fingerprint_algorithm = $4 AND fingerprint = $3::bytea
+  `
+
+  // completeText, and the record is no longer held: it expires after its retention as any other.
+  const atomicCompleteText = `
+    UPDATE ${table}
+    SET state = 'completed', response_status = $4::int,
+        response_headers = $5::text::jsonb, response_body = $6::bytea,
+        lease_expires_at = NULL, expires_at = statement_timestamp() + $7::float8 * interval '1 millisecond',
+        indeterminate = false
+    WHERE scope = $1 AND key = $2 AND owner_token = $3::uuid AND state = 'in_progress'
+  `
+
+  // recovery.ts `hold`, for a transaction the handler ended (transaction.ts, holdAfterEnd).
+  const holdOwnedText = `
+    UPDATE ${table} SET ${held}
+    WHERE scope = $1 AND key = $2 AND owner_token = $3::uuid AND state = 'in_progress'
+  `
+
+  return {
+    claimText, reclaimText, takeoverText, completeText, releaseText, renewText, getText, purgeText,
+    atomicClaimText, atomicReclaimText, atomicTakeoverText, atomicCompleteText, holdOwnedText, insertHeldText: insertHeld
+  }
+}
+
+type Texts = ReturnType<typeof buildTexts>
+const built = new Map<string, Texts>()
+
+/** The texts for `table`, built once: atomic mode binds them to each request's transaction. */
+function textsFor (table: string): Texts {
+  let texts = built.get(table)
+  if (texts === undefined) {
+    texts = buildTexts(table)
+    built.set(table, texts)
+  }
+  return texts
+}
+
+/** `db`: the pool (lease mode; also the reconciler's statements). */
+export function createStatements (db: Queryable, table: string): Statements {
+  const { claimText, reclaimText, takeoverText, completeText, releaseText, renewText, getText, purgeText } = textsFor(table)
   const run = (text: string, values: Value[]): ReturnType<Queryable['query']> => db.query(text, values)
   const claimValues = (args: ClaimArgs, seenToken: string): Value[] =>
     [args.scope, args.key, args.fingerprint.digest, args.fingerprint.algorithm, args.token, args.leaseMs, args.ttlMs, seenToken]
@@ -256,6 +356,30 @@ export function createStatements (db: Queryable, table: string): Statements {
       const result = await run(purgeText, [limit])
       return result.count
     }
+  }
+}
+
+/** `db`: the request's transaction (transaction.ts). */
+export function createAtomicStatements (db: Queryable, table: string): AtomicStatements {
+  const texts = textsFor(table)
+  const values = (args: AtomicClaimArgs): Value[] => [args.scope, args.key, args.fingerprint.digest, args.fingerprint.algorithm, args.token]
+  const changed = async (text: string, bound: Value[]): Promise<boolean> => (await db.query(text, bound)).count === 1
+  return {
+    async claim (args) {
+      const { rows } = await db.query(texts.atomicClaimText, values(args))
+      const row = rows[0] as ClaimColumns | undefined
+      if (row === undefined) return null
+      if (row[0]) return { acquired: true }
+      const [, ...record] = row
+      return { acquired: false, record: recordOf(record) }
+    },
+    reclaim: (args, seenToken) => changed(texts.atomicReclaimText, [...values(args), seenToken]),
+    takeover: (args, seenToken) => changed(texts.atomicTakeoverText, [...values(args), seenToken]),
+    complete: (lease, response, ttlMs) => changed(texts.atomicCompleteText, [
+      lease.scope, lease.key, lease.token, response.statusCode, JSON.stringify(response.headers), response.body, ttlMs
+    ]),
+    holdOwned: (lease) => changed(texts.holdOwnedText, [lease.scope, lease.key, lease.token]),
+    insertHeld: (args) => changed(texts.insertHeldText, values(args))
   }
 }
 

@@ -1,10 +1,10 @@
 import { randomUUID } from 'node:crypto'
 import diagnostics from 'node:diagnostics_channel'
-import { RolledBackError } from '../../lib/errors.js'
+import { RolledBackError, TransactionEndedError } from '../../lib/errors.js'
 import { fingerprintsEqual } from '../../lib/fingerprint.js'
 import type { ClaimRequest, ClaimResult, Lease, StoredResponse } from '../../lib/store.js'
 import type { DatabaseClient, TransactionConnection } from './client.js'
-import { createStatements, type Statements } from './statements.js'
+import { createAtomicStatements, type AtomicStatements } from './statements.js'
 
 /**
  * Atomic mode: the claim, the handler's writes (through `request.idempotency.sql`) and the recorded
@@ -16,6 +16,15 @@ import { createStatements, type Statements } from './statements.js'
  * plugin decides: `complete` writes the response and lets it COMMIT, `release` makes it ROLLBACK.
  * The connection returns to the pool on every path (the transaction ends when the body settles,
  * and the plugin settles every claim it acquires: response, error, abort, timeout, hijack).
+ *
+ * The handler could end the transaction itself, through its handle (a COMMIT, ROLLBACK or PREPARE
+ * TRANSACTION, however written): its writes and the claim would then commit without the recorded
+ * response, and a retry would run the operation again. The handle refuses everything after such a
+ * statement and reports it (client.ts, Guard); at the decision the store then fails closed:
+ * nothing is recorded, the key is held for the reconciler (holdAfterEnd), and `complete` and
+ * `release` reject with TransactionEndedError. And since the statements of this mode write the
+ * claim already held (statements.ts, AtomicStatements), a claim committed early is held even if
+ * nothing runs after that COMMIT.
  */
 
 type Decision = { readonly response: StoredResponse, readonly ttlMs: number } | null
@@ -31,6 +40,14 @@ interface OpenTransaction {
 
 /** Thrown inside the transaction to make the client roll it back; never escapes this file. */
 const ROLLBACK = Symbol('rollback')
+
+/**
+ * What bounds the hold's wait on a lock (holdAfterEnd): a transaction the handler prepared
+ * (PREPARE TRANSACTION) keeps the record locked until someone commits or rolls it back, and the
+ * request must not wait for that; another statement on the record (the reconciler's) holds it for
+ * a moment only.
+ */
+const HOLD_LOCK_TIMEOUT = 'set local lock_timeout = 1000'
 
 /** SQLSTATE lock_not_available: lock_timeout fired while the claim waited on a lock. */
 const LOCK_TIMEOUT = '55P03'
@@ -115,19 +132,32 @@ export function createTransactions (db: DatabaseClient, table: string): Transact
     const token = randomUUID()
     /** The body returned with a recorded response: the client sends COMMIT from here on. */
     let commitSent = false
+    /** The transaction ended under the handle: what `decide` rejects with, whatever the client reports. */
+    let endedEarly: TransactionEndedError | null = null
     let decide!: (decision: Decision) => void
     const decided = new Promise<Decision>((resolve) => { decide = resolve })
+    /** Resolves once the body has carried the decision out, up to what is left to the client (COMMIT, ROLLBACK). */
+    let carriedOut!: () => void
+    const decisionCarriedOut = new Promise<void>((resolve) => { carriedOut = resolve })
     const transaction: OpenTransaction = {
       scope: request.scope,
       key: request.key,
       holdsKey: false,
       decide (decision) {
         decide(decision)
-        return finished.then(() => {}, (err: unknown) => {
-          // A rollback that was asked for: whatever ROLLBACK itself answered, a transaction whose
-          // connection failed is rolled back by the server.
-          if (decision === null) return
-          throw commitError(err, commitSent, db)
+        // The body first: the client's transaction may have failed before the decision (its
+        // connection closed while the handler ran), and the body still checks the handle's
+        // queries then, which may have ended the transaction, and holds the key if they did.
+        return decisionCarriedOut.then(async () => {
+          if (endedEarly !== null) throw endedEarly
+          try {
+            await finished
+          } catch (err) {
+            // A rollback that was asked for: whatever ROLLBACK itself answered, a transaction whose
+            // connection failed is rolled back by the server.
+            if (decision === null) return
+            throw commitError(err, commitSent, db)
+          }
         })
       }
     }
@@ -135,7 +165,7 @@ export function createTransactions (db: DatabaseClient, table: string): Transact
     unfinished++
     // On a dropped connection nothing more is sent, not even the ROLLBACK (dropped-connection.ts).
     const finished = db.transaction(async (tx) => {
-      const statements = createStatements(tx, table)
+      const statements = createAtomicStatements(tx, table)
       const outcome = await claimWithin(tx, statements, request, token, setLockTimeout)
       if (outcome.outcome !== 'acquired') {
         resolveClaim(outcome)
@@ -145,25 +175,46 @@ export function createTransactions (db: DatabaseClient, table: string): Transact
       transaction.holdsKey = true
       resolveClaim({ ...outcome, transaction: guard.handle })
       const decision = await decided
-      guard.end()
-      // Lost: the response is not written; COMMIT was never sent, so the client gets not-committed.
-      if (decision === null || tx.connection.lost !== null) throw ROLLBACK
-      let recorded: boolean
       try {
-        recorded = await statements.complete({ scope: request.scope, key: request.key, token }, decision.response, decision.ttlMs)
-      } catch (err) {
-        throw new RolledBackError('the transaction could not record its response, so it was rolled back', { cause: err })
+        // Whichever the decision, the handle's queries still in flight are answered and checked
+        // first: one of them may have ended the transaction.
+        const early = await guard.end()
+        if (early !== null) {
+          const claim = { ...request, token }
+          // Released: nothing more may be sent through this transaction (its client sends no
+          // ROLLBACK either, client.ts, Ended); the key is held from another connection.
+          endedEarly = early.released
+            ? await held(early.reason, () => holdElsewhere(db, table, claim))
+            : tx.connection.lost !== null
+              ? new TransactionEndedError(false, { cause: tx.connection.lost })
+              : await held(early.reason, () => holdAfterEnd(tx, statements, claim))
+          throw ROLLBACK
+        }
+        // Lost: the response is not written; COMMIT was never sent, so the client gets not-committed.
+        if (decision === null || tx.connection.lost !== null) throw ROLLBACK
+        let recorded: boolean
+        try {
+          recorded = await statements.complete({ scope: request.scope, key: request.key, token }, decision.response, decision.ttlMs)
+        } catch (err) {
+          throw new RolledBackError('the transaction could not record its response, so it was rolled back', { cause: err })
+        }
+        if (!recorded) throw new RolledBackError('the transaction no longer held its record, so it was rolled back')
+      } finally {
+        carriedOut()
       }
-      if (!recorded) throw new RolledBackError('the transaction no longer held its record, so it was rolled back')
     }, { commitSent: () => { commitSent = true }, prelude: setLockTimeout })
 
     open.set(token, transaction)
     finished.then(
       () => { open.delete(token); unfinished-- },
       (err: unknown) => {
-        open.delete(token)
         unfinished--
-        if (transaction.holdsKey || err === ROLLBACK) return
+        // Still the plugin's to decide (settle takes it out): until then, `complete` and `release`
+        // must come here, not to lease mode's statements, which would complete or delete a claim
+        // the handler's COMMIT made durable before the connection closed.
+        if (transaction.holdsKey) return
+        open.delete(token)
+        if (err === ROLLBACK) return
         if ((err as { code?: unknown } | null)?.code !== LOCK_TIMEOUT) return rejectClaim(err)
         const held = heldHere(request)
         const retry = retriesLeft > 0 && !held
@@ -234,7 +285,7 @@ function commitError (err: unknown, commitSent: boolean, db: DatabaseClient): un
  */
 async function claimWithin (
   tx: TransactionConnection,
-  statements: Statements,
+  statements: AtomicStatements,
   request: ClaimRequest & { readonly waitMs: number },
   token: string,
   setLockTimeout: string
@@ -264,6 +315,51 @@ async function claimWithin (
       : { outcome: 'in_progress', fingerprint: record.fingerprint, leaseRemainingMs: record.leaseRemainingMs }
   }
   throw new Error(`fastify-idempotency: the postgres store could not settle a claim in ${MAX_CLAIM_ROUNDS} rounds`)
+}
+
+/** What `complete` and `release` reject with once the transaction ended under the handler: the hold's outcome. */
+async function held (reason: Error, hold: () => Promise<boolean>): Promise<TransactionEndedError> {
+  try {
+    return new TransactionEndedError(await hold(), { cause: reason })
+  } catch (err) {
+    return new TransactionEndedError(false, { cause: new AggregateError([reason, err], 'fastify-idempotency: the transaction was ended through request.idempotency.sql, and the key could not be held') })
+  }
+}
+
+/**
+ * The transaction ended under the handler: its writes, and the claim with them, may have committed
+ * without a recorded response (or, after a PREPARE TRANSACTION, may still), so the key is held for
+ * the reconciler instead: never released, never taken over by a retry (409), never purged, until
+ * the reconciler resolves it. The claim's record is held when it is there (committed by the
+ * handler; in a prepared transaction, the wait for its lock times out and this throws); when it is
+ * not (the handler rolled it back), a held record is inserted, unless another attempt has claimed
+ * the key meanwhile: then false, nothing is held, and that attempt owns the key.
+ *
+ * Written on the transaction's own connection, which is no longer in the claim's transaction, as a
+ * short transaction of its own: ROLLBACK first (after COMMIT AND CHAIN or ROLLBACK AND CHAIN the
+ * connection is already in a new transaction; otherwise it is only a warning), then BEGIN, its
+ * waits bounded by HOLD_LOCK_TIMEOUT, and its own COMMIT rather than the client's (postgres.js
+ * sends ROLLBACK in place of COMMIT when one of the handle's queries had failed). A BEGIN follows
+ * that COMMIT in the same text, so the session never reports itself idle (postgres.js would take
+ * the connection back: client.ts, Ended), and the client's ROLLBACK then ends an empty transaction.
+ */
+async function holdAfterEnd (tx: TransactionConnection, statements: AtomicStatements, claim: ClaimRequest & { readonly token: string }): Promise<boolean> {
+  await tx.simple(`ROLLBACK; BEGIN; ${HOLD_LOCK_TIMEOUT}`)
+  const held = await statements.holdOwned(claim) || await statements.insertHeld(claim)
+  await tx.simple('COMMIT; BEGIN')
+  return held
+}
+
+/**
+ * holdAfterEnd, in a transaction of the client's own on another connection: for when the client has
+ * already taken the transaction's connection back (client.ts, Ended).
+ */
+async function holdElsewhere (db: DatabaseClient, table: string, claim: ClaimRequest & { readonly token: string }): Promise<boolean> {
+  return await db.transaction(async (tx) => {
+    await tx.simple(HOLD_LOCK_TIMEOUT)
+    const statements = createAtomicStatements(tx, table)
+    return await statements.holdOwned(claim) || await statements.insertHeld(claim)
+  })
 }
 
 /**
