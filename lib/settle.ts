@@ -59,15 +59,16 @@ async function settleFailed (engine: Engine, state: RequestState, payload: unkno
  * settled must not become its.
  */
 function settle (engine: Engine, reply: FastifyReply, state: RequestState, payload: unknown): unknown {
-  const statusCode = reply.statusCode
-  const sendAs = <T>(value: T): T => {
-    if (reply.statusCode !== statusCode) reply.code(statusCode)
-    return value
+  if (state.lifecycle.threw) {
+    const failedWith = reply.statusCode
+    return decide(engine, state, 'threw', 'the handler failed').then(() => keepStatus(reply, failedWith, payload))
   }
-  if (state.lifecycle.threw) return decide(engine, state, 'threw', 'the handler failed').then(() => sendAs(payload))
 
+  // A fetch Response sets its status here.
   const captured = classifyPayload(payload, reply)
   const sent = captured.kind === 'stream' ? captured.source : payload
+  const statusCode = reply.statusCode
+  const sendAs = <T>(value: T): T => keepStatus(reply, statusCode, value)
   if (!recordsStatus(engine, state, statusCode)) return decide(engine, state, 'not-recorded', `status ${statusCode} is not recorded`).then(() => sendAs(sent))
   if (captured.kind === 'unsupported') {
     observe(engine.metrics, state, 'not_recorded', 'error', 'idempotency: the payload type cannot be recorded')
@@ -99,6 +100,12 @@ function settle (engine: Engine, reply: FastifyReply, state: RequestState, paylo
     onEnd: async (body) => { await record(engine, state, { statusCode, headers, body }) },
     onError: () => decide(engine, state, 'unrecordable', 'the response stream failed')
   })
+}
+
+/** `value`, with the reply's status set back to `statusCode` if something changed it meanwhile. */
+function keepStatus<T> (reply: FastifyReply, statusCode: number, value: T): T {
+  if (reply.statusCode !== statusCode) reply.code(statusCode)
+  return value
 }
 
 /**

@@ -144,4 +144,31 @@ function suite (url: string): void {
 
   t.test(`a step's code writing after fn returned: refused, only fn's own writes commit (${CLIENT_NAME})`, async (t) => { await afterSettled(t, 'returns') })
   t.test(`a step's code writing after fn threw: refused, nothing is left written (${CLIENT_NAME})`, async (t) => { await afterSettled(t, 'throws') })
+
+  t.test(`a step whose fn ends its own transaction is not recorded, and counts as taken effect: the key is held, the handler runs once (${CLIENT_NAME})`, async (t) => {
+    for (const ending of ['COMMIT', 'ROLLBACK']) {
+      let runs = 0
+      const app = await appWith(t, (app) => {
+        app.post('/step', async (request) => {
+          runs++
+          const context = request.idempotency
+          if (context === null) throw new Error('unprotected')
+          await context.step('write', async (tx) => {
+            await exec(tx, `INSERT INTO ${writes} VALUES ($1, 'before the end')`, [context.key])
+            await exec(tx, ending, [])
+          }, { transaction: true })
+          return { ok: true }
+        })
+      })
+      const key = `ends-${ending}`
+      const first = await post(app, key)
+      t.equal(first.statusCode, 500, `${ending}: the step failed`)
+      t.match(JSON.parse(first.body), { code: 'FST_IDEMPOTENCY_TRANSACTION_ENDED', message: /step "write"/ }, `${ending}: the error names the step`)
+      await sleep(50)
+      const retry = await post(app, key)
+      t.equal(retry.statusCode, 409, `${ending}: the key is held (what fn wrote may have committed), not released for a retry to run again`)
+      t.equal(runs, 1, `${ending}: the handler ran once`)
+      t.ok((await notes(key)).length <= 1, `${ending}: the write exists at most once`)
+    }
+  })
 }
