@@ -102,8 +102,8 @@ async function runStep (engine: Engine, state: RequestState, name: string, fn: (
   if (Object.hasOwn(steps, name)) return steps[name]
 
   // Proved right before `fn` runs, never after: an owner that was taken over (or force-released)
-  // while it waited must not run the step, since the new owner runs it (seeds: a takeover "allows
-  // the original to complete concurrently"; this keeps that from reaching a step). A store failure
+  // while it waited must not run the step, since the new owner runs it (a takeover lets the
+  // original complete beside the new owner; this keeps that from reaching a step). A store failure
   // propagates: nothing runs unproven.
   if (!await lifecycle.fence()) throw new LeaseLostError(name)
 

@@ -116,7 +116,7 @@ function statusBody (record: StoredRecord, includeBody: boolean): string {
   if (!includeBody) return `{"state":"completed","response":{"status":${statusCode}}}`
   if (isReference(record.response)) {
     // A record by reference holds the route's internal reference and the marker field, which no
-    // client was ever sent (issue 16, finding 8). The body a replay sends is the recording route's
+    // client was ever sent. The body a replay sends is the recording route's
     // rebuild(reference, request), serialized by that route: the status route knows neither (the
     // record does not name its route, and a rebuild may read the original request), so it answers
     // as for a body that was not retained.

@@ -106,8 +106,7 @@ interface Expected {
 const INVALID_DETAIL = 'The Idempotency-Key must be a Structured Field string, such as "8e03978e-40d5-43e8-bc93-6894a57f9324".'
 
 /**
- * The 'ietf' bodies as they were before profiles existed (commit 12017b0's problems.ts), written
- * out: any byte of difference is a change clients would see.
+ * The 'ietf' bodies, written out: any byte of difference is a change clients would see.
  */
 const IETF: Readonly<Record<ProblemKind, Expected>> = {
   'key-missing': {
@@ -149,7 +148,7 @@ const IETF: Readonly<Record<ProblemKind, Expected>> = {
       '"detail":"The transaction holding this operation and its Idempotency-Key could not be committed, so nothing was recorded ' +
       'and its writes were rolled back. Retry the same request."}'
   },
-  // New with the atomic mode's ambiguous commit (issue 12, case 9).
+  // The atomic mode's ambiguous commit.
   'outcome-unknown': {
     status: 503,
     body: '{"type":"tag:fastify-idempotency,2026:outcome-unknown","title":"Idempotent operation outcome is unknown","status":503,' +
@@ -157,7 +156,7 @@ const IETF: Readonly<Record<ProblemKind, Expected>> = {
       'committed could not be confirmed. Retry the same request with the same Idempotency-Key: it replays the recorded ' +
       'response if the operation committed, and runs it if it did not."}'
   },
-  // New with the atomic handle's fail-closed end.
+  // The atomic handle's fail-closed end.
   'transaction-ended': {
     status: 500,
     body: '{"type":"tag:fastify-idempotency,2026:transaction-ended","title":"Idempotent operation ended its own transaction",' +
@@ -165,13 +164,13 @@ const IETF: Readonly<Record<ProblemKind, Expected>> = {
       'before its response was recorded, so what it wrote may or may not have been kept. The key is held until the service ' +
       'reconciles it; retries with it are answered 409 until then."}'
   },
-  // New with the status route.
+  // The status route's.
   'key-unknown': {
     status: 404,
     body: '{"type":"tag:fastify-idempotency,2026:key-unknown","title":"Idempotency-Key is unknown","status":404,' +
       '"detail":"No request with this Idempotency-Key is recorded for you: it was never used, or its record expired."}'
   },
-  // New with the bounded canonical walk (issue 16, finding 5).
+  // The bounded canonical walk.
   'body-too-deep': {
     status: 400,
     body: '{"type":"tag:fastify-idempotency,2026:body-too-deep","title":"Request body is nested too deeply","status":400,' +

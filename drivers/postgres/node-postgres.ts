@@ -13,8 +13,8 @@ import { nodePostgresTypes } from './node-postgres-types.js'
  *   with `rowMode: 'array'` and the driver's own type parsers (node-postgres-types.ts).
  * - A transaction holds one client from `pool.connect()` for its whole life, with an 'error'
  *   listener on it: node-postgres emits a checked-out client's connection error as an 'error'
- *   event, and an EventEmitter without a listener throws it, which kills the process (this is
- *   the crash issue 15 is about, in node-postgres's form). The client goes back with
+ *   event, and an EventEmitter without a listener throws it, which kills the process (the
+ *   dropped-connection crash, in node-postgres's form: dropped-connection.ts). The client goes back with
  *   `release(err)` after a connection error, so the pool destroys it instead of reusing it.
  */
 
@@ -109,8 +109,8 @@ function prepared (text: string, values: readonly Value[]): QueryConfig {
  * read: a `pool.query` finishing on the client releases it, from its ReadyForQuery, to a waiting
  * `connect()`, and a server message in the same read (the FATAL of `pg_terminate_backend`, which
  * a busy process reads together with the answer before it) is emitted as an 'error' on a client
- * with no listener, which throws and ends the process. The chaos harness died of exactly this
- * (issue 15); the callback is called at the hand-over itself, so no message comes between.
+ * with no listener, which throws and ends the process (the chaos harness died of exactly this).
+ * The callback is called at the hand-over itself, so no message comes between.
  */
 function checkOut (pool: NodePostgresPool, onError: (err: Error) => void): Promise<NodePostgresPoolClient> {
   return new Promise((resolve, reject) => {

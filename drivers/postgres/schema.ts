@@ -50,7 +50,7 @@ export async function migrateOn (db: DatabaseClient, names: ResolvedNames): Prom
     const missing = await missingObjects(tx, id, names, { records, outbox })
     if (missing.size === 0) return
     await tx.simple(`CREATE SCHEMA IF NOT EXISTS ${schema}`)
-    // Shape from the seeds, with these choices:
+    // The shape, with these choices:
     // - PRIMARY KEY (scope, key), scope first: the uniqueness that makes "at most once" hold, and
     //   the distribution column on Citus (every unique index there must include it).
     // - COLLATE "C" on scope and key: keys are compared byte for byte, never by locale rules, and the

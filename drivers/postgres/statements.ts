@@ -9,8 +9,9 @@ import type { Queryable, Value } from './client.js'
  *   now(), so instances whose clocks disagree still agree on leases and expiry. now() is STABLE and
  *   is evaluated once per statement, so a statement sees one consistent "now".
  * - Every statement names `scope = $` in its WHERE and touches one (scope, key) row (the purge
- *   excepted), so on Citus it routes to a single shard (citus-notes: works unchanged; 6). No
- *   volatile function appears in an UPDATE or DELETE (citus-notes 2): tokens are app-generated.
+ *   excepted), so on Citus it routes to a single shard (and Citus wants `scope = …` on every row
+ *   lock). No volatile function appears in an UPDATE or DELETE (Citus refuses them there): tokens
+ *   are app-generated.
  * - A conditional UPDATE/DELETE repeats in its WHERE every condition it relies on. Under READ
  *   COMMITTED, a statement that waited for a concurrent writer re-checks its WHERE against the
  *   row's new version (EvalPlanQual), so exactly one of several racing statements matches.
@@ -130,12 +131,12 @@ function buildTexts (table: string) {
   // conflicting row was committed after the snapshot was taken (the insert waited for its
   // inserter), the read sees nothing and the result is null: the caller runs the statement again
   // with a new snapshot.
-  // On Citus (issue 15, item 3) the CTE runs first, as a statement of its own on the worker, then
+  // On Citus the CTE runs first, as a statement of its own on the worker, then
   // the read: two coordinator-worker round trips and two snapshots, so the shared snapshot above
   // does not hold there. Still correct: NOT EXISTS (SELECT FROM claimed) is decided by the insert's
   // own result, not by what the read sees, so the read never reports this statement's insert as
   // someone else's record, and a read that finds nothing is the same null, retried.
-  // DO NOTHING, never DO UPDATE: on Citus its SET/WHERE allow immutable expressions only (citus-notes 1),
+  // DO NOTHING, never DO UPDATE: on Citus its SET/WHERE allow immutable expressions only,
   // and a DO UPDATE that returns the row would make every duplicate write a row version
   // (benchmarks/postgres-claim-forms.ts: fresh claims 0.88-1.01x, duplicates 0.85-0.93x, 205-211 WAL bytes each).
   const claimText = `
@@ -213,7 +214,7 @@ function buildTexts (table: string) {
     WHERE scope = $1 AND key = $2 AND expires_at > now()
   `
 
-  // The portable bounded form (citus-notes 3: no ctid batches, no multi-shard SKIP LOCKED), with
+  // The portable bounded form (Citus refuses ctid batches and a multi-shard SKIP LOCKED), with
   // `expires_at <= now()` repeated on the outer DELETE. Without it, a record reclaimed by a
   // concurrent claim after the subquery picked it would still be deleted: EvalPlanQual re-checks
   // the DELETE's own conditions on the new row version, not the subquery's, so the live record

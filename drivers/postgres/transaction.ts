@@ -8,9 +8,9 @@ import { createAtomicStatements, type AtomicStatements } from './statements.js'
 
 /**
  * Atomic mode: the claim, the handler's writes (through `request.idempotency.sql`) and the recorded
- * response commit in ONE transaction, or roll back together. The seeds' "critical requirement":
- * "effect happened but record lost" and "record says done but effect lost" cannot occur, and a
- * crashed process leaves nothing behind (the server rolls its transaction back).
+ * response commit in ONE transaction, or roll back together: "the effect happened but its record
+ * was lost" and "the record says done but the effect was lost" cannot occur, and a crashed process
+ * leaves nothing behind (the server rolls its transaction back).
  *
  * The transaction is the client's (client.ts, `transaction`), whose body stays pending until the
  * plugin decides: `complete` writes the response and lets it COMMIT, `release` makes it ROLLBACK.

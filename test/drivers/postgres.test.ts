@@ -180,7 +180,7 @@ function suite (url: string): void {
     const text = await readFile(file, 'utf8')
     // Why not as one text: a statement that comes in a text of several commands is refused where it
     // has to be prepared, which is what a Citus worker does with the DDL it is forwarded from such
-    // a text (issue 15, item 2). The extended protocol (Parse) refuses it the same way here.
+    // a text. The extended protocol (Parse) refuses it the same way here.
     await t.rejects(sql.unsafe(text, [], EXTENDED), /cannot insert multiple commands into a prepared statement/,
       'the whole file is several commands: a worker would refuse it')
 

@@ -305,7 +305,7 @@ export function recoveryScenarios (t: Test, env: RecoveryEnvironment): void {
     paused.resolve()
     t.equal((await first).statusCode, 500)
     t.ok(caught instanceof LeaseLostError, 'the step after the release was refused')
-    t.same(h.runs, { handler: 1, charge: 1, email: 0 }, 'the released owner never ran its next step (issue 12, case 5)')
+    t.same(h.runs, { handler: 1, charge: 1, email: 0 }, 'the released owner never ran its next step')
     const retry = await h.order('forced')
     t.equal(retry.statusCode, 201)
     t.same(h.runs, { handler: 2, charge: 2, email: 1 }, 'only the retry, the key\'s owner now, sent the email')
