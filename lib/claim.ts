@@ -15,8 +15,8 @@ import { isReference, sendRebuilt } from './reference.js'
 import { clearInFlight, consultPrefilter, markInFlight, rememberCompleted } from './prefiltering.js'
 import { giveBack } from './outcome.js'
 import { rollBackForDepartedClient } from './settle.js'
-import type { ClaimAcquired, ClaimCompleted, ClaimInProgress, ClaimRequest, ClaimResult, Fingerprint, StoredResponse } from './store.js'
-import { bounded } from './timeout.js'
+import type { Answer, ClaimAcquired, ClaimCompleted, ClaimInProgress, ClaimRequest, ClaimResult, Fingerprint, StoredResponse } from './store.js'
+import { bounded, boundedPromise } from './timeout.js'
 import { localId } from './waiters.js'
 
 /** Polling of a store for an in-flight original owned by another process: 10 ms, doubling to 250 ms. */
@@ -105,9 +105,14 @@ function claimFor (engine: Engine, request: FastifyRequest, reply: FastifyReply,
   // One store call. A store that answers directly (the memory store) is decided on at once, with no
   // promise: the embedded default's whole claim stays synchronous.
   const askedAt = performance.now()
-  const answer = bounded('claim', settings.storeTimeout, () => engine.store.claim(claim), giveBackLate(engine, state))
+  let answer: Answer<ClaimResult>
+  try {
+    answer = engine.store.claim(claim)
+  } catch (err) {
+    return storeFailed(engine, request, reply, state, err)
+  }
   if (!isThenable(answer)) return claimed(engine, request, reply, state, fingerprint, answer, null)
-  return answer.then(
+  return boundedPromise('claim', settings.storeTimeout, answer, giveBackLate(engine, state)).then(
     (result) => claimed(engine, request, reply, state, fingerprint, result, askedAt),
     (err: unknown) => storeFailed(engine, request, reply, state, err)
   )

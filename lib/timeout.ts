@@ -55,8 +55,11 @@ export function bounded<T> (operation: string, ms: number, call: () => Answer<T>
   } catch (err) {
     return Promise.reject(err)
   }
-  if (!isThenable(answer)) return answer
-  const promise = answer
+  return isThenable(answer) ? boundedPromise(operation, ms, answer, onLate) : answer
+}
+
+/** `bounded` for an answer already in hand that is a promise. */
+export function boundedPromise<T> (operation: string, ms: number, promise: PromiseLike<T>, onLate?: (value: T) => void): Promise<T> {
   return new Promise<T>((resolve, reject) => {
     const pending = new Pending<T>(operation, ms, resolve, reject, onLate)
     scheduleFor(ms).add(pending)
