@@ -306,6 +306,23 @@ t.test('checker (evidence): a step whose fn ran on a proven key and whose save r
   t.ok(kinds(stale).includes('unfenced-step'), 'fn started after the lease the fence proved had run out: still a violation')
 })
 
+t.test('checker (evidence): a release whose answer was lost may have freed the key: a new owner after it is not a violation', async (t) => {
+  // The owner's handler failed at 300; its release reached the store and the answer was lost (a
+  // connection reset after the DELETE), so the plugin tried again at 650 and got false: the key was
+  // free from the first attempt on, and another instance claimed it fresh at 400.
+  const origin = { pid: 100, instance: 0, scope: slowOp.scope, key: slowOp.key, token: 'tA' }
+  const history = (lost: EvidenceLine[]): History => {
+    const h = evidenceHistory(intruder(400, { takeover: false }))
+    const failed: ExecutionSketch = { ...owner, renewUntil: 300, steps: [], clientGoneAt: undefined, handlerEnd: 300, threw: true, settle: { ev: 'release', at: 650, ok: false } }
+    return { ...h, evidence: [...h.evidence.filter((line) => line.pid !== 100), ...evidenceOf(failed), ...lost].sort((a, b) => a.t - b.t) }
+  }
+  const lostRelease: EvidenceLine = { ...origin, t: 301, end: 303, ev: 'release', ok: null }
+  const found = history([lostRelease])
+  t.same(kinds(found), [], 'the first release may have been applied: the key was free at 400')
+  t.equal(check(found).stats.executions.reexecutions['after-release'], 1, 'counted as a re-execution after a release')
+  t.same(kinds(history([])), ['concurrent-execution'], 'without a release before the new owner: still a violation')
+})
+
 t.test('checker (evidence): a second execution is allowed when the owner was dead, force-released, cut from the database or could not renew', async (t) => {
   const stopped = (h: History): History => ({ ...h, evidence: h.evidence.filter((line) => !(line.ev === 'renew' && line.token === 'tA' && line.t > 400)) })
   const dead = stopped(evidenceHistory(intruder(800)))

@@ -328,7 +328,10 @@ export function checkExecutions (history: History, executions: readonly Executio
       }
       for (let j = 0; j < i; j++) {
         const a = list[j] as Execution
-        const ownedUntil = a.endedBy === 'died' ? a.end : a.settle?.t ?? releaseAttempt(a)?.t ?? a.end
+        // A release is tried again when its answer is lost, and the lost one may have been applied:
+        // the key may be free from the first attempt on, whatever a later attempt answers.
+        const gaveUp = Math.min(a.settle?.t ?? Infinity, releaseAttempt(a)?.t ?? Infinity)
+        const ownedUntil = a.endedBy === 'died' ? a.end : Number.isFinite(gaveUp) ? gaveUp : a.end
         if (bClaimEnd < ownedUntil - SLACK_MS) {
           // B became owner while A still ran and had not given the key up.
           judged = true
@@ -365,7 +368,7 @@ export function checkExecutions (history: History, executions: readonly Executio
         if (j === i - 1 && !judged) {
           // Sequential: why the key could run again.
           if (a.endedBy === 'died') reexecutions['after-dead-owner']++
-          else if (a.settle?.ev === 'release' && a.settle.ok === true) reexecutions['after-release']++
+          else if ((a.settle?.ev === 'release' && a.settle.ok === true) || (releaseAttempt(a)?.t ?? Infinity) < bClaimEnd) reexecutions['after-release']++
           else if (resolutions.some((line) => line.action === 'resume' && line.t > a.start && line.t < bClaimEnd)) reexecutions['resumed-by-reconciler']++
           else if (a.settle?.ev === 'complete' && a.settle.ok === true) reexecutions['after-retention']++
           else if (a.settle?.ev === 'hold' && a.settle.ok === true) reexecutions['after-hold']++
