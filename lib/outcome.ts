@@ -5,7 +5,7 @@ import { observe } from './observe.js'
 import { clearInFlight, rememberCompleted } from './prefiltering.js'
 import type { Answer, ClaimAcquired, Lease, StoredResponse } from './store.js'
 import { isThenable } from './thenable.js'
-import { bounded } from './timeout.js'
+import { bounded, boundedPromise } from './timeout.js'
 
 /*
  * Writes a key's outcome to the store once the lifecycle (lib/lifecycle.ts) has decided it: record
@@ -22,7 +22,15 @@ const WAITED_RETRY_DELAYS_MS = [50, 250]
 const BACKGROUND_FIRST_DELAY_MS = 1_000
 const BACKGROUND_MAX_DELAY_MS = 10_000
 
-type Settlement = 'complete' | 'hold' | 'release'
+/** One settling store call, and what to say of its answer. */
+interface Settlement {
+  readonly operation: 'complete' | 'hold' | 'release'
+  /** complete: the response; hold and release: null. */
+  readonly response: StoredResponse | null
+  /** Why the key is released or held (for the log), or when a record was asked (for the pre-filter copy's retention). */
+  readonly reason: string
+  readonly since: number
+}
 
 /**
  * Records the owner's response. Done at once when the store answers directly (the memory store),
@@ -30,16 +38,7 @@ type Settlement = 'complete' | 'hold' | 'release'
  * are spent (the tries then go on in the background).
  */
 export function record (engine: Engine, state: RequestState, response: StoredResponse): void | Promise<void> {
-  const lease = state.lifecycle.lease as Lease
-  const since = Date.now()
-  return settleWith(engine, state, 'complete', () => engine.store.complete(lease, response, state.settings.ttl), (completed) => {
-    if (completed) {
-      observe(engine.metrics, state, 'recorded', 'debug', 'idempotency: response recorded')
-      if (state.context !== null) rememberCompleted(engine, state, state.context.fingerprint, response, state.settings.ttl, since)
-    } else {
-      observe(engine.metrics, state, 'lease_lost', 'warn', 'idempotency: the key was taken over while this request ran; its response was not recorded')
-    }
-  })
+  return settleWith(engine, state, { operation: 'complete', response, reason: '', since: Date.now() })
 }
 
 /**
@@ -48,24 +47,12 @@ export function record (engine: Engine, state: RequestState, response: StoredRes
  */
 export function conclude (engine: Engine, state: RequestState, fate: 'release' | 'hold', reason: string): Promise<void> {
   clearInFlight(engine, state)
-  const lease = state.lifecycle.lease as Lease
-  const store = engine.store
-  if (fate === 'release') {
-    return Promise.resolve(settleWith(engine, state, 'release', () => store.release(lease), (released) => {
-      if (released) observe(engine.metrics, state, 'released', 'debug', `idempotency: key released (${reason})`)
-      else observe(engine.metrics, state, 'lease_lost', 'warn', `idempotency: nothing to release (${reason}): the key was taken over or force-released meanwhile`)
-    }))
-  }
-  const hold = store.hold
-  if (hold === undefined) {
+  if (fate === 'hold' && engine.store.hold === undefined) {
     observe(engine.metrics, state, 'store_error', 'error', `idempotency: ${reason}, and an effect may have happened, but the store cannot hold a key for the reconciler (it has no hold()); the key is taken over by a retry once its lease lapses`)
     state.lifecycle.settled()
     return Promise.resolve()
   }
-  return Promise.resolve(settleWith(engine, state, 'hold', () => hold.call(store, lease), (held) => {
-    if (held) observe(engine.metrics, state, 'held', 'warn', `idempotency: ${reason}, and an effect may have happened; key held in progress for reconciliation`)
-    else observe(engine.metrics, state, 'lease_lost', 'warn', `idempotency: ${reason}, but the key was taken over meanwhile`)
-  }))
+  return Promise.resolve(settleWith(engine, state, { operation: fate, response: null, reason, since: 0 }))
 }
 
 /**
@@ -93,55 +80,94 @@ export function giveBack (engine: Engine, state: RequestState, result: ClaimAcqu
   else reported(given)
 }
 
-/**
- * One settling store call, tried again on failure: `onAnswer` gets the store's answer (false: the
- * key is no longer this request's), and the lifecycle is then settled. A value when the store
- * answered at once.
- */
-function settleWith (engine: Engine, state: RequestState, settlement: Settlement, call: () => Answer<boolean>, onAnswer: (owned: boolean) => void): void | Promise<void> {
-  const answered = (owned: boolean): void => {
-    if (!owned) state.lifecycle.lose()
-    onAnswer(owned)
-    state.lifecycle.settled()
+/** The store call a settlement makes (`hold` exists: conclude checked). */
+function call (engine: Engine, state: RequestState, settlement: Settlement): Answer<boolean> {
+  const store = engine.store
+  const lease = state.lifecycle.lease as Lease
+  switch (settlement.operation) {
+    case 'complete': return store.complete(lease, settlement.response as StoredResponse, state.settings.ttl)
+    case 'release': return store.release(lease)
+    case 'hold': return (store.hold as NonNullable<typeof store.hold>)(lease)
   }
-  const failed = (err: unknown): void | Promise<void> => endedByHandler(engine, state, err) ? undefined : retryWaited(engine, state, settlement, call, answered, err)
-  const first = bounded(settlement, state.settings.storeTimeout, call)
-  if (!isThenable(first)) return answered(first)
-  return first.then(answered, failed)
 }
 
-async function retryWaited (engine: Engine, state: RequestState, settlement: Settlement, call: () => Answer<boolean>, answered: (owned: boolean) => void, firstError: unknown): Promise<void> {
+/** The store's answer to a settlement: false means the key is no longer this request's. Settles the lifecycle. */
+function answered (engine: Engine, state: RequestState, settlement: Settlement, owned: boolean): void {
+  if (!owned) state.lifecycle.lose()
+  const { operation, reason } = settlement
+  if (operation === 'complete') {
+    if (owned) {
+      observe(engine.metrics, state, 'recorded', 'debug', 'idempotency: response recorded')
+      if (state.context !== null) rememberCompleted(engine, state, state.context.fingerprint, settlement.response as StoredResponse, state.settings.ttl, settlement.since)
+    } else {
+      observe(engine.metrics, state, 'lease_lost', 'warn', 'idempotency: the key was taken over while this request ran; its response was not recorded')
+    }
+  } else if (operation === 'release') {
+    if (owned) observe(engine.metrics, state, 'released', 'debug', `idempotency: key released (${reason})`)
+    else observe(engine.metrics, state, 'lease_lost', 'warn', `idempotency: nothing to release (${reason}): the key was taken over or force-released meanwhile`)
+  } else if (owned) {
+    observe(engine.metrics, state, 'held', 'warn', `idempotency: ${reason}, and an effect may have happened; key held in progress for reconciliation`)
+  } else {
+    observe(engine.metrics, state, 'lease_lost', 'warn', `idempotency: ${reason}, but the key was taken over meanwhile`)
+  }
+  state.lifecycle.settled()
+}
+
+/**
+ * One settling store call, tried again on failure. A value when the store answered at once (the
+ * memory store: nothing is allocated for the tries that did not happen).
+ */
+function settleWith (engine: Engine, state: RequestState, settlement: Settlement): void | Promise<void> {
+  let first: Answer<boolean>
+  try {
+    first = call(engine, state, settlement)
+  } catch (err) {
+    return failed(engine, state, settlement, err)
+  }
+  if (!isThenable(first)) return answered(engine, state, settlement, first)
+  return boundedPromise(settlement.operation, state.settings.storeTimeout, first).then(
+    (owned) => { answered(engine, state, settlement, owned) },
+    (err: unknown) => failed(engine, state, settlement, err)
+  )
+}
+
+function failed (engine: Engine, state: RequestState, settlement: Settlement, err: unknown): void | Promise<void> {
+  return endedByHandler(engine, state, err) ? undefined : retryWaited(engine, state, settlement, err)
+}
+
+async function retryWaited (engine: Engine, state: RequestState, settlement: Settlement, firstError: unknown): Promise<void> {
   let failure = firstError
   for (const delay of WAITED_RETRY_DELAYS_MS) {
     await sleep(delay)
-    if (!state.lifecycle.holding) return answered(false)
+    if (!state.lifecycle.holding) return answered(engine, state, settlement, false)
     try {
-      return answered(await bounded(settlement, state.settings.storeTimeout, call))
+      return answered(engine, state, settlement, await bounded(settlement.operation, state.settings.storeTimeout, () => call(engine, state, settlement)))
     } catch (err) {
       if (endedByHandler(engine, state, err)) return
       failure = err
     }
   }
-  if (settlement === 'release') {
+  if (settlement.operation === 'release') {
     // Nothing ran that a retry could repeat: the lease lapses on its own once renewal stops.
     observe(engine.metrics, state, 'store_error', 'error', 'idempotency: could not release the key; it frees itself when its lease expires', failure)
     state.lifecycle.settled()
     return
   }
-  observe(engine.metrics, state, 'store_error', 'error', `idempotency: could not ${settlement === 'complete' ? 'record the response' : 'hold the key'} yet; trying again in the background while its lease is kept`, failure)
-  retryInBackground(engine, state, settlement, call, answered, BACKGROUND_FIRST_DELAY_MS)
+  observe(engine.metrics, state, 'store_error', 'error', `idempotency: could not ${settlement.operation === 'complete' ? 'record the response' : 'hold the key'} yet; trying again in the background while its lease is kept`, failure)
+  retryInBackground(engine, state, settlement, BACKGROUND_FIRST_DELAY_MS)
 }
 
-function retryInBackground (engine: Engine, state: RequestState, settlement: Settlement, call: () => Answer<boolean>, answered: (owned: boolean) => void, delay: number): void {
+function retryInBackground (engine: Engine, state: RequestState, settlement: Settlement, delay: number): void {
   setTimeout(() => {
     if (engine.closed || !state.lifecycle.holding) {
       // Closed: the process is going; lost: another attempt owns the key. Either way renewal stops.
       if (state.lifecycle.phase === 'settling') state.lifecycle.settled()
       return
     }
-    Promise.resolve(bounded(settlement, state.settings.storeTimeout, call)).then(answered, () => {
-      retryInBackground(engine, state, settlement, call, answered, Math.min(delay * 2, BACKGROUND_MAX_DELAY_MS))
-    })
+    Promise.resolve(bounded(settlement.operation, state.settings.storeTimeout, () => call(engine, state, settlement))).then(
+      (owned) => { answered(engine, state, settlement, owned) },
+      () => { retryInBackground(engine, state, settlement, Math.min(delay * 2, BACKGROUND_MAX_DELAY_MS)) }
+    )
   }, delay).unref()
 }
 

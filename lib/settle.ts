@@ -68,8 +68,7 @@ function settle (engine: Engine, reply: FastifyReply, state: RequestState, paylo
   const captured = classifyPayload(payload, reply)
   const sent = captured.kind === 'stream' ? captured.source : payload
   const statusCode = reply.statusCode
-  const sendAs = <T>(value: T): T => keepStatus(reply, statusCode, value)
-  if (!recordsStatus(engine, state, statusCode)) return decide(engine, state, 'not-recorded', `status ${statusCode} is not recorded`).then(() => sendAs(sent))
+  if (!recordsStatus(engine, state, statusCode)) return decide(engine, state, 'not-recorded', `status ${statusCode} is not recorded`).then(() => keepStatus(reply, statusCode, sent))
   if (captured.kind === 'unsupported') {
     observe(engine.metrics, state, 'not_recorded', 'error', 'idempotency: the payload type cannot be recorded')
     // Fastify refuses it and answers an error of its own: its status is Fastify's to choose.
@@ -94,8 +93,8 @@ function settle (engine: Engine, reply: FastifyReply, state: RequestState, paylo
   const reference = referenceOf(engine, state, statusCode, headers)
   if (state.lifecycle.transactional) return commitThenSend(engine, reply, state, captured, headers, reference)
   // A reference: the body is sent as the handler produced it (a stream streams); only the reference is kept.
-  if (reference !== null) return recordThen(engine, state, reference, sent, sendAs)
-  if (captured.kind === 'bytes') return recordThen(engine, state, { statusCode, headers, body: captured.body.length > limit ? null : captured.body }, payload, sendAs)
+  if (reference !== null) return recordThen(engine, reply, state, reference, sent)
+  if (captured.kind === 'bytes') return recordThen(engine, reply, state, { statusCode, headers, body: captured.body.length > limit ? null : captured.body }, payload)
   return captureStream(captured.source, limit, {
     onEnd: async (body) => { await record(engine, state, { statusCode, headers, body }) },
     onError: () => decide(engine, state, 'unrecordable', 'the response stream failed')
@@ -138,9 +137,9 @@ function decide (engine: Engine, state: RequestState, ending: Exclude<Ending, 'a
 }
 
 /** Records `response`, then hands `sent` back: at once when the store answered directly, else once recorded. */
-function recordThen (engine: Engine, state: RequestState, response: StoredResponse, sent: unknown, sendAs: <T>(value: T) => T): unknown {
+function recordThen (engine: Engine, reply: FastifyReply, state: RequestState, response: StoredResponse, sent: unknown): unknown {
   const recorded = record(engine, state, response)
-  return recorded === undefined ? sent : recorded.then(() => sendAs(sent))
+  return recorded === undefined ? sent : recorded.then(() => keepStatus(reply, response.statusCode, sent))
 }
 
 /** The first header of `headers` that Node's writeHead would refuse, described, or null. */
