@@ -139,11 +139,9 @@ function buildTexts (table: string) {
   // DO NOTHING, never DO UPDATE: on Citus its SET/WHERE allow immutable expressions only,
   // and a DO UPDATE that returns the row would make every duplicate write a row version
   // (benchmarks/postgres-claim-forms.ts: fresh claims 0.88-1.01x, duplicates 0.85-0.93x, 205-211 WAL bytes each).
-  const claimText = `
-    WITH claimed AS (
-      INSERT INTO ${table} (scope, key, fingerprint, fingerprint_algorithm, state, owner_token, lease_expires_at, expires_at)
-      VALUES ($1, $2, $3::bytea, $4, 'in_progress', $5::uuid, ${later(6)}, greatest(${later(7)}, ${later(6)}))
-      ON CONFLICT (scope, key) DO NOTHING
+  /** The claim: `insert` takes the key (or does nothing on conflict), and the record in the way is read. */
+  const claimWith = (insert: string): string => `
+    WITH claimed AS (${insert}
       RETURNING true AS acquired
     )
     SELECT acquired, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL FROM claimed
@@ -152,6 +150,10 @@ function buildTexts (table: string) {
     FROM ${table}
     WHERE scope = $1 AND key = $2 AND NOT EXISTS (SELECT FROM claimed)
   `
+  const claimText = claimWith(`
+      INSERT INTO ${table} (scope, key, fingerprint, fingerprint_algorithm, state, owner_token, lease_expires_at, expires_at)
+      VALUES ($1, $2, $3::bytea, $4, 'in_progress', $5::uuid, ${later(6)}, greatest(${later(7)}, ${later(6)}))
+      ON CONFLICT (scope, key) DO NOTHING`)
 
   // A record past its ttl is dead: any request reclaims it as a fresh one (takeover: false). The
   // token seen by the claim statement pins the row version, so two reclaimers cannot both win.
@@ -239,16 +241,7 @@ function buildTexts (table: string) {
       ON CONFLICT (scope, key) DO NOTHING`
 
   // The lease-mode claim with the held insert; the record in the way is read as lease mode reads it.
-  const atomicClaimText = `
-    WITH claimed AS (${insertHeld}
-      RETURNING true AS acquired
-    )
-    SELECT acquired, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL FROM claimed
-    UNION ALL
-    SELECT false, ${RECORD_COLUMNS}
-    FROM ${table}
-    WHERE scope = $1 AND key = $2 AND NOT EXISTS (SELECT FROM claimed)
-  `
+  const atomicClaimText = claimWith(insertHeld)
 
   const atomicReclaimText = `
     UPDATE ${table}
