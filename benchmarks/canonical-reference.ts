@@ -1,10 +1,9 @@
 import { hash } from 'node:crypto'
 
 /*
- * canonical-v1 as records were first made with it: the recursive implementation of lib/fingerprint.ts
- * at f203b40, verbatim but for its names. Kept as the oracle the iterative walk must match byte for
- * byte (test/fingerprint-canonical.test.ts: a changed byte would make every stored record answer its
- * retries 422), and as the "before" of `npm run bench:fingerprint`. Not part of the package.
+ * canonical-v1 written the plainest way, recursively: the oracle lib/fingerprint.ts's iterative walk
+ * must match byte for byte (test/fingerprint-canonical.test.ts and `npm run bench:fingerprint` check
+ * it: a changed byte would make every stored record answer its retries 422). Not part of the package.
  */
 
 export function referenceJson (value: unknown): string {

@@ -1,21 +1,13 @@
 /**
- * What reaches PostgreSQL and Redis, counted from outside the plugin, at the client: statements and
- * round trips on the wire of every connection the benchmark server opens, and Redis commands.
- *
- * - PostgreSQL: postgres.js's `socket` option hands it sockets this file connects and watches. Every
- *   byte it writes is read as frontend protocol messages (type byte, int32 length): each Execute
- *   ('E': a prepared or unnamed statement, BEGIN and COMMIT included) and each simple Query ('Q',
- *   counted once per statement it holds) is a statement. A round trip is a write that follows a read
- *   on the same connection: statements written together (postgres.js coalesces the writes of one
- *   tick, and pipelines queries queued on a busy connection) share one. Exact per request when one
- *   request runs at a time (run.ts's sequential probe); under concurrent load two requests'
- *   statements pipelined on one connection count as one round trip, so that figure is a lower bound.
- * - Redis (ioredis): every call of the client's `sendCommand` is a command (a pipeline's and a
- *   script's too: EVALSHA, and EVAL after a NOSCRIPT); a round trip is a write to its stream after a
- *   read. The one connection carries every request's commands, so again exact only sequentially.
- *
- * The cost is a few comparisons per message written, paid by every counted setup alike (the floors
- * too): nothing is copied, and the bytes pass through unchanged.
+ * What reaches PostgreSQL and Redis, counted at the client, outside the plugin:
+ * - PostgreSQL: postgres.js's `socket` option hands it sockets this file connects and watches.
+ *   Every Execute message ('E', BEGIN and COMMIT included) and every statement of a simple Query
+ *   ('Q') written is a statement; a write after a read on the same connection is a round trip, so
+ *   statements pipelined together share one. Exact when one request runs at a time (run.ts's
+ *   probe); under concurrent load, a lower bound for round trips.
+ * - Redis (ioredis): each `sendCommand` call is a command (a pipeline's and a script's too); a write
+ *   to its stream after a read is a round trip.
+ * Every counted setup, the floors too, pays the same few comparisons per message written.
  */
 import net from 'node:net'
 import type { Redis } from 'ioredis'
@@ -97,40 +89,11 @@ function countPostgres (socket: net.Socket, counts: WireCounts): void {
 }
 
 /**
- * Statements in a simple Query's text (NUL-terminated): the non-empty pieces between top-level
- * semicolons, outside quotes, dollar quotes and comments.
+ * Statements in a simple Query's text (NUL-terminated): the non-empty pieces between semicolons
+ * outside quoted strings and identifiers (the driver's texts hold neither comments nor dollar quotes).
  */
 export function statementsIn (text: Buffer): number {
-  const s = text.toString('utf8').replace(/\0$/, '')
-  let count = 0
-  let content = false
-  for (let i = 0; i < s.length; i++) {
-    const c = s[i]!
-    if (c === "'" || c === '"') {
-      const end = s.indexOf(c, i + 1)
-      i = end < 0 ? s.length : end
-      content = true
-    } else if (c === '-' && s[i + 1] === '-') {
-      const end = s.indexOf('\n', i)
-      i = end < 0 ? s.length : end
-    } else if (c === '/' && s[i + 1] === '*') {
-      const end = s.indexOf('*/', i + 2)
-      i = end < 0 ? s.length : end + 1
-    } else if (c === '$') {
-      const tag = /^\$[A-Za-z_]*\$/.exec(s.slice(i))?.[0]
-      if (tag !== undefined) {
-        const end = s.indexOf(tag, i + tag.length)
-        i = end < 0 ? s.length : end + tag.length - 1
-      }
-      content = true
-    } else if (c === ';') {
-      if (content) count++
-      content = false
-    } else if (!/\s/.test(c)) {
-      content = true
-    }
-  }
-  return count + (content ? 1 : 0)
+  return text.toString('utf8').replace(/\0$/, '').replace(/'(?:[^']|'')*'|"(?:[^"]|"")*"/g, "''").split(';').filter((part) => part.trim() !== '').length
 }
 
 /**

@@ -1,42 +1,30 @@
 /**
- * The cost of canonical fingerprints, as ratios to parsing the same body: `npm run bench:fingerprint`
- * (about 1 min), `-- --quick` (seconds), `-- --out <file>` (default benchmarks/results/fingerprint.json).
- *
- * A protected route already pays JSON.parse for its body (Fastify's parser); the fingerprint comes
- * on top, on every claim, replay and 422. Each body is measured, in interleaved rounds (medians),
- * four ways, all in this process:
- * - `parse`: JSON.parse of the body's text, the baseline;
- * - `recursive`: canonical-v1 as f203b40 computed it (recursive, the whole text built, then one
- *   SHA-256), kept in benchmarks/canonical-reference.ts, so the figure before the change is measured beside the one after;
- * - `canonical`: canonical-v1 now (lib/fingerprint.ts: the iterative walk, hashed in chunks);
- * - `keyed`: canonical plus the HMAC of keyed fingerprints (the `encryption` option).
- * Every run first checks that `recursive` and `canonical` give the same digest.
+ * The cost of canonical fingerprints against parsing the same body: `npm run bench:fingerprint`
+ * (about a minute; `-- --quick`: seconds; `-- --out file`: another summary file). A protected route
+ * already pays JSON.parse for its body (Fastify's parser); the fingerprint (lib/fingerprint.ts)
+ * comes on top, on every claim, replay and 422, and with the `encryption` option an HMAC of it
+ * (`keyed`). Each body is timed three ways in interleaved rounds whose order rotates (medians).
+ * Before timing, the digest of every body is checked against the recursive reference
+ * implementation (canonical-reference.ts): a changed byte would answer every stored record's retries 422.
+ * Writes the `fingerprint` section of benchmarks/results/summary.json.
  */
 import { randomBytes } from 'node:crypto'
-import { mkdirSync, writeFileSync } from 'node:fs'
-import { dirname } from 'node:path'
+import { parseArgs } from 'node:util'
 import { canonicalFingerprint } from '../lib/fingerprint.js'
-import { referenceDigest } from './canonical-reference.js'
 import { deriveFingerprintKeys, keyedFingerprint } from '../lib/fingerprint-keys.js'
 import { resolveKeyring } from '../lib/keyring.js'
+import { referenceDigest } from './canonical-reference.js'
+import { median } from './figures.js'
+import { summaryPath, writeSection, type FingerprintSection } from './summary-file.js'
 
-const quick = process.argv.includes('--quick')
-const outIndex = process.argv.indexOf('--out')
-const out = outIndex > 0 ? process.argv[outIndex + 1] as string : new URL('./results/fingerprint.json', import.meta.url).pathname
+const { values: args } = parseArgs({ options: { quick: { type: 'boolean', default: false }, out: { type: 'string' } } })
+const quick = args.quick === true
 const ROUNDS = quick ? 1 : 9
-/** Each measurement runs a method for at least this long. */
+/** Each timing runs its method for at least this long. */
 const SAMPLE_MS = quick ? 10 : 150
 
-// ---------------------------------------------------------------------------------------------
-// Bodies: what an API receives, from a small payment to the sizes of the finding.
-
-function payment (i: number): Record<string, unknown> {
-  return { currency: 'eur', amount: 1250 + i, customer: `cus_${i}`, description: `Order ${i}`, capture: true }
-}
-
-function lineItem (i: number): Record<string, unknown> {
-  return { sku: `SKU-${1000 + i}`, quantity: 1 + (i % 3), unit_amount: 1250 + i * 10, description: `Difference engine part #${i}`, tax_rate: 0.2 }
-}
+const payment = (i: number): unknown => ({ currency: 'eur', amount: 1250 + i, customer: `cus_${i}`, description: `Order ${i}`, capture: true })
+const lineItem = (i: number): unknown => ({ sku: `SKU-${1000 + i}`, quantity: 1 + (i % 3), unit_amount: 1250 + i * 10, description: `Difference engine part #${i}`, tax_rate: 0.2 })
 
 /** Items made by `make` until the JSON text of their array reaches `bytes`. */
 function arrayOf (bytes: number, make: (i: number) => unknown): unknown[] {
@@ -61,103 +49,51 @@ function deepWide (depth: number, width: number, seed = 0): unknown {
 }
 
 const BODIES: ReadonlyArray<{ name: string, text: string }> = [
-  { name: '200 B payment', text: JSON.stringify({ ...payment(1), metadata: { order: 'ord_8e03978e40d5', channel: 'web' } }) },
+  { name: '200 B payment', text: JSON.stringify({ ...payment(1) as object, metadata: { order: 'ord_8e03978e40d5', channel: 'web' } }) },
   { name: '64 KiB line items', text: JSON.stringify({ order: 'ord_1', items: arrayOf(64 * 1024 - 30, lineItem) }) },
   { name: '1 MiB flat array of records', text: JSON.stringify(arrayOf(1024 * 1024, payment)) },
   { name: '1 MiB flat array of numbers', text: JSON.stringify(arrayOf(1024 * 1024, (i) => i * 1.5)) },
   { name: 'deep/wide object (6 levels x 8 members)', text: JSON.stringify(deepWide(6, 8)) }
 ]
 
-// ---------------------------------------------------------------------------------------------
-
 const keys = deriveFingerprintKeys(resolveKeyring({ keys: [{ id: 'bench', key: randomBytes(32) }] }))
-
-type Method = 'parse' | 'recursive' | 'canonical' | 'keyed'
-const METHODS: readonly Method[] = ['parse', 'recursive', 'canonical', 'keyed']
+const METHODS = ['parse', 'canonical', 'keyed'] as const
+type Method = typeof METHODS[number]
 
 /** Milliseconds per call of `fn`, over at least SAMPLE_MS. */
 function measure (fn: () => unknown): number {
-  let calls = 0
   const started = performance.now()
-  let elapsed = 0
-  do {
-    fn()
-    calls++
-    elapsed = performance.now() - started
-  } while (elapsed < SAMPLE_MS)
-  return elapsed / calls
+  let calls = 0
+  for (; performance.now() - started < SAMPLE_MS; calls++) fn()
+  return (performance.now() - started) / calls
 }
 
-function median (values: readonly number[]): number {
-  const sorted = [...values].sort((a, b) => a - b)
-  const mid = sorted.length >> 1
-  return sorted.length % 2 === 1 ? sorted[mid] as number : ((sorted[mid - 1] as number) + (sorted[mid] as number)) / 2
-}
-
-interface BodyResult {
-  readonly name: string
-  readonly bytes: number
-  /** Median milliseconds per call. */
-  readonly ms: Record<Method, number>
-  /** Medians of per-round ratios. */
-  readonly ratios: { recursiveToParse: number, canonicalToParse: number, keyedToParse: number, recursiveToCanonical: number }
-}
-
-const results: BodyResult[] = []
+const results: FingerprintSection['bodies'] = []
 for (const { name, text } of BODIES) {
   const body: unknown = JSON.parse(text)
   if (!referenceDigest('POST', '/pay', body).equals(canonicalFingerprint('POST', '/pay', body, 'application/json').digest)) {
-    throw new Error(`${name}: the walk and the recursive implementation disagree`)
+    throw new Error(`${name}: the fingerprint and the reference implementation disagree`)
   }
   const run: Record<Method, () => unknown> = {
     parse: () => JSON.parse(text),
-    recursive: () => referenceDigest('POST', '/pay', body),
     canonical: () => canonicalFingerprint('POST', '/pay', body, 'application/json'),
     keyed: () => keyedFingerprint(keys, canonicalFingerprint('POST', '/pay', body, 'application/json'))
   }
-  // Warm-up: every method compiled before the first measured round.
-  for (const method of METHODS) measure(run[method])
-  const samples: Record<Method, number[]> = { parse: [], recursive: [], canonical: [], keyed: [] }
-  const ratios = { recursiveToParse: [] as number[], canonicalToParse: [] as number[], keyedToParse: [] as number[], recursiveToCanonical: [] as number[] }
+  for (const method of METHODS) measure(run[method]) // warm-up: every method compiled first
+  const ms: Record<Method, number[]> = { parse: [], canonical: [], keyed: [] }
   for (let round = 0; round < ROUNDS; round++) {
-    // Interleaved, in an order that changes every round, so drift hits every method alike.
-    const order = METHODS.map((_, i) => METHODS[(i + round) % METHODS.length] as Method)
-    const ms = {} as Record<Method, number>
-    for (const method of order) ms[method] = measure(run[method])
-    for (const method of METHODS) samples[method].push(ms[method])
-    ratios.recursiveToParse.push(ms.recursive / ms.parse)
-    ratios.canonicalToParse.push(ms.canonical / ms.parse)
-    ratios.keyedToParse.push(ms.keyed / ms.parse)
-    ratios.recursiveToCanonical.push(ms.recursive / ms.canonical)
-  }
-  results.push({
-    name,
-    bytes: Buffer.byteLength(text),
-    ms: { parse: median(samples.parse), recursive: median(samples.recursive), canonical: median(samples.canonical), keyed: median(samples.keyed) },
-    ratios: {
-      recursiveToParse: median(ratios.recursiveToParse),
-      canonicalToParse: median(ratios.canonicalToParse),
-      keyedToParse: median(ratios.keyedToParse),
-      recursiveToCanonical: median(ratios.recursiveToCanonical)
+    for (let i = 0; i < METHODS.length; i++) {
+      const method = METHODS[(i + round) % METHODS.length]!
+      ms[method].push(measure(run[method]))
     }
-  })
+  }
+  const [parseMs, canonicalMs, keyedMs] = METHODS.map((method) => median(ms[method]))
+  results.push({ name, bytes: Buffer.byteLength(text), parseMs: parseMs!, canonicalMs: canonicalMs!, keyedMs: keyedMs!, canonicalToParse: canonicalMs! / parseMs!, keyedToParse: keyedMs! / parseMs! })
 }
 
-const fixed = (n: number, digits: number): string => n.toFixed(digits)
-const rows = results.map((r) => [
-  r.name, String(r.bytes), fixed(r.ms.parse, 3), fixed(r.ms.recursive, 3), fixed(r.ms.canonical, 3), fixed(r.ms.keyed, 3),
-  `${fixed(r.ratios.recursiveToParse, 2)}x`, `${fixed(r.ratios.canonicalToParse, 2)}x`, `${fixed(r.ratios.keyedToParse, 2)}x`, `${fixed(r.ratios.recursiveToCanonical, 2)}x`
-])
-const header = ['body', 'bytes', 'parse ms', 'recursive ms', 'canonical ms', 'keyed ms', 'recursive/parse', 'canonical/parse', 'keyed/parse', 'speed-up']
-const widths = header.map((h, i) => Math.max(h.length, ...rows.map((row) => (row[i] as string).length)))
-for (const row of [header, ...rows]) console.log(row.map((cell, i) => i === 0 ? cell.padEnd(widths[i] as number) : cell.padStart(widths[i] as number)).join('  '))
-
-mkdirSync(dirname(out), { recursive: true })
-writeFileSync(out, JSON.stringify({
-  node: process.version,
-  quick,
-  rounds: ROUNDS,
-  sampleMs: SAMPLE_MS,
-  bodies: results
-}, null, 2) + '\n')
-console.log(`\nwritten to ${out}`)
+for (const r of results) {
+  console.log(`${r.name.padEnd(40)} ${String(r.bytes).padStart(8)} B  parse ${r.parseMs.toFixed(3)} ms  fingerprint ${r.canonicalMs.toFixed(3)} ms (${r.canonicalToParse.toFixed(2)}×)  keyed ${r.keyedMs.toFixed(3)} ms (${r.keyedToParse.toFixed(2)}×)`)
+}
+const out = summaryPath(args.out, quick)
+writeSection(out, 'fingerprint', { node: process.version, rounds: ROUNDS, bodies: results })
+console.log(`written to ${out}`)

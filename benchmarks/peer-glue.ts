@@ -1,42 +1,18 @@
 /**
- * The peer, wired into Fastify: `@node-idempotency/core` through its public API only. Its own
- * Fastify adapter, @node-idempotency/fastify 1.0.7, is not on the registry; this glue does what that
- * adapter does (packages/plugin-fastify/src/idempotent-fastify.ts in mahendraHegde/node-idempotency
- * at 622b33f, read, not copied), behaviour for behaviour, including what it gets wrong:
+ * The peer, `@node-idempotency/core`, wired into Fastify through its public API. Its Fastify adapter
+ * (@node-idempotency/fastify) is not on the registry; this glue does what that adapter does
+ * (packages/plugin-fastify in mahendraHegde/node-idempotency), what it gets wrong included:
  *
- * - preHandler: `Idempotency.onRequest()`. A returned response is a replay: its recorded status,
- *   its recorded Content-Type and `Idempotent-Replayed: true`, then its body (or its error), sent
- *   and awaited (the reply is a thenable: the hook resolves once the response has been written). An
- *   IdempotencyError is sent as it is with the adapter's status map (@node-idempotency/shared:
- *   400 key too long / missing, 409 in progress with `Retry-After: 1`, 422 fingerprint mismatch),
- *   so Fastify's default error handler serialises it. Any other error is swallowed and the request
- *   goes on to the handler, unprotected (the adapter's fail-open).
- * - onSend: `Idempotency.onResponse()` on EVERY response, as the adapter does: the handler's, and
- *   also the replays and the 409/422 the preHandler answered itself (each an extra fingerprint and
- *   an extra store write; a 409 overwrites the in-progress marker as if the key had completed).
- *   Status < 400 is recorded as `body`, otherwise as `error`, with the status and Content-Type.
+ * - preHandler: `onRequest()`; a returned response is a replay (its status, its Content-Type,
+ *   `Idempotent-Replayed: true`); an IdempotencyError is sent with the adapter's status map (400,
+ *   409 with `Retry-After: 1`, 422); any other error lets the request through unprotected (fail-open).
+ * - onSend: `onResponse()` on every response, replays and its own 409s included (an extra fingerprint
+ *   and store write each; a 409 is recorded as the key's response).
+ * - A replay whose client disconnects before it is written runs the handler: the awaited reply
+ *   resolves on a premature close too. A load closing its connections shows it (scenarios.ts).
  *
- * What the adapter does that this glue reproduces and run.ts reports (warnings, not failures):
- * - A replay whose client disconnects before it is written runs the handler: the preHandler awaits
- *   the reply, which resolves on a premature close too, and the reply is then not `sent`, so
- *   Fastify goes on to the handler. The load generator closes its connections when a load stops, so
- *   the storm shows up to one extra execution per connection (none while the load runs).
- * - A 409 the preHandler answered is recorded as the key's completed response; a replay of it
- *   records it again, so a key can end up replaying 409 after its handler's 201 was recorded.
- *
- * What still differs from the adapter, and in whose favour:
- * - The adapter's hooks are async functions awaiting an async helper; here each hook is one async
- *   function (one promise fewer per hook): the peer's favour, marginally.
- * - The adapter is built for Fastify 4 (its package depends on fastify ^4 and fastify-plugin ^4);
- *   it runs here on Fastify 5, whose hook, reply and error-handler API it uses unchanged: neutral.
- * - The adapter creates its storage adapter itself (`buildStorageAdapter`, from options) and
- *   disconnects it in an onClose hook; here server.ts constructs the same adapter classes and
- *   disconnects them after app.close(): neutral.
- * - For peer-redis, server.ts counts the storage adapter's calls (one closure per call, for the
- *   Redis commands per request): against the peer, marginally, as our own Redis client's counting is
- *   against us.
- * The adapter is registered through fastify-plugin (its README), so its hooks apply to every route;
- * here they are added to the root instance directly: the same.
+ * Differences: each hook is one async function where the adapter's awaits an async helper (the
+ * peer's favour, marginally); Fastify 5 where the adapter targets 4 (whose API it uses unchanged).
  */
 import type { FastifyInstance, FastifyReply, FastifyRequest } from 'fastify'
 import { Idempotency, IdempotencyError, IdempotencyErrorCodes, type IdempotencyOptions, type IdempotencyParams, type IdempotencyResponse } from '@node-idempotency/core'

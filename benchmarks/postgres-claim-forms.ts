@@ -1,50 +1,31 @@
 /**
- * The driver's claim statement against its alternatives, on plain PostgreSQL, side by side:
- * `npm run bench:claim-forms [-- --quick] [--out file]` (a throwaway PostgreSQL unless DATABASE_URL
- * is set; writes benchmarks/results/claim-forms.json, claim-forms.quick.json with --quick). Two questions it answers (issues 14 and 15):
- *
- * - Is there a claim form that is one router statement on Citus without costing a round trip on
- *   plain PostgreSQL? (`upsert`)
- * - A replay is the claim statement finding the row, and costs PostgreSQL more than the one
- *   primary-key SELECT of the benchmark's floor-select. Is that the insert's work on a row that is
- *   there, which another form of the same one statement could skip? (`read-first`, and `select` as
- *   the bound)
- *
- * The forms, each one statement, prepared:
- * - `cte`: the driver's claim (drivers/postgres/statements.ts): a data-modifying CTE, INSERT … ON
- *   CONFLICT DO NOTHING, and a read of the row in the way when the insert did nothing. On Citus the
- *   CTE and the read run as two steps (two coordinator–worker round trips).
- * - `upsert`: INSERT … ON CONFLICT DO UPDATE SET key = EXCLUDED.key RETURNING the row, with
- *   (xmax = 0) telling an insert from a conflict. One plain INSERT, so one router statement on
- *   Citus, and its SET is a column reference (citus-notes 1 allows no more). It is NOT equivalent:
- *   every duplicate writes a new row version (WAL, a dead tuple, a row lock that a concurrent
- *   duplicate waits for, and under SERIALIZABLE a serialization failure between two replays of
- *   one key), where the driver's duplicate only reads.
- * - `read-first`: the row is read first (a materialized CTE) and the insert runs only when the
- *   read found nothing (INSERT … SELECT … WHERE NOT EXISTS, still ON CONFLICT DO NOTHING). A
- *   duplicate then never reaches the insert's conflict check. Same answers as `cte` (a row
- *   committed after the snapshot: nothing returned, the caller asks again).
- * - `select`: duplicates only, the bound: the same columns by primary key, no insert at all (a
- *   fresh key would then need a second round trip to claim).
- *
- * Two paths, each in interleaved rounds (every form every round, the order reversing), medians:
- * `fresh` (every claim a new key: the insert wins) and `duplicate` (every claim a key that holds a
- * completed record: the replay path). CONCURRENCY claims in flight on a pool of as many
- * connections. For each: claims per second, PostgreSQL's CPU per claim (every postgres process,
- * /proc: benchmarks/measured-cpu.ts; 10 ms ticks, so ±2.5 µs at 4,000 claims), each form's ratio
- * to `cte`; then the WAL bytes a duplicate claim writes, per form.
+ * The driver's claim statement against its alternatives, on PostgreSQL alone:
+ * `npm run bench:claim-forms` (about 2 min; `-- --quick`: seconds; `-- --out file`: another summary file).
+ * Each form is one prepared statement:
+ * - `cte`: the driver's claim (drivers/postgres/statements.ts): INSERT … ON CONFLICT DO NOTHING in a
+ *   data-modifying CTE, and a read of the row in the way when the insert did nothing.
+ * - `upsert`: INSERT … ON CONFLICT DO UPDATE SET key = EXCLUDED.key RETURNING the row, (xmax = 0)
+ *   telling an insert from a conflict: one plain INSERT, so one router statement on Citus, but every
+ *   duplicate writes a row version (WAL, a dead tuple, a row lock a concurrent duplicate waits for).
+ * - `read-first`: the row read first (a materialized CTE), the insert run only when nothing was found.
+ * - `select`: duplicates only, the bound: the read without the insert (a fresh key would then need
+ *   a second round trip to claim).
+ * Two paths: `fresh` (every claim a new key) and `duplicate` (a key holding a completed record: the
+ * replay path), CONCURRENCY claims in flight on as many connections, in interleaved rounds whose
+ * order reverses (medians): claims per second, PostgreSQL's CPU per claim (every postgres process's
+ * user + system time from /proc, in 10 ms ticks) and the WAL bytes a duplicate writes. Writes the
+ * `claimForms` section of benchmarks/results/summary.json.
  */
 import { createHash, randomUUID } from 'node:crypto'
-import { mkdirSync, writeFileSync } from 'node:fs'
-import { dirname } from 'node:path'
-import { fileURLToPath } from 'node:url'
+import { readdirSync, readFileSync } from 'node:fs'
 import { parseArgs } from 'node:util'
 import postgres from 'postgres'
 import { createStatements, later, RECORD_COLUMNS, type ClaimArgs } from '../drivers/postgres/statements.js'
 import { migrate } from '../drivers/postgres/schema.js'
 import { postgresJsClient } from '../drivers/postgres/postgres-js.js'
-import { measuredCpuSplitMs } from './measured-cpu.js'
+import { median } from './figures.js'
 import { benchServices } from './services.js'
+import { summaryPath, writeSection, type ClaimFormFigures, type ClaimFormsSection } from './summary-file.js'
 
 const { values: options } = parseArgs({ options: { quick: { type: 'boolean', default: false }, out: { type: 'string' } } })
 const quick = options.quick === true
@@ -52,7 +33,21 @@ const ROUNDS = quick ? 1 : 9
 const CLAIMS = quick ? 200 : 4000
 const CONCURRENCY = 8
 const DUPLICATE_KEYS = quick ? 100 : 1000
-const OUT = options.out ?? fileURLToPath(new URL(`./results/claim-forms${quick ? '.quick' : ''}.json`, import.meta.url))
+
+/** CPU time so far of every PostgreSQL process, ms (null off Linux): utime + stime, stat's 14th and 15th fields. */
+function postgresCpuMs (): number | null {
+  if (process.platform !== 'linux') return null
+  let ticks = 0
+  for (const pid of readdirSync('/proc').filter((entry) => /^\d+$/.test(entry))) {
+    let stat: string
+    try { stat = readFileSync(`/proc/${pid}/stat`, 'utf8') } catch { continue } // gone since readdir
+    const close = stat.lastIndexOf(')') // the command name may hold spaces and parentheses
+    if (stat.slice(stat.indexOf('(') + 1, close) !== 'postgres') continue
+    const fields = stat.slice(close + 2).split(' ')
+    ticks += Number(fields[11]) + Number(fields[12])
+  }
+  return ticks * 10 // USER_HZ is 100 on Linux
+}
 
 const services = await benchServices()
 const schema = `idem_bench_claim_${randomUUID().slice(0, 8)}`
@@ -115,7 +110,7 @@ let fresh = 0
 /** CLAIMS claims, CONCURRENCY at a time, each outcome checked: claims per second and PostgreSQL's CPU µs per claim. */
 async function measure (form: Form, path: Path): Promise<{ rate: number, pgCpuUs: number | null }> {
   let next = 0
-  const cpuBefore = measuredCpuSplitMs(process.pid)?.postgres
+  const cpuBefore = postgresCpuMs()
   const start = process.hrtime.bigint()
   await Promise.all(Array.from({ length: CONCURRENCY }, async () => {
     while (next < CLAIMS) {
@@ -126,11 +121,10 @@ async function measure (form: Form, path: Path): Promise<{ rate: number, pgCpuUs
     }
   }))
   const rate = CLAIMS / (Number(process.hrtime.bigint() - start) / 1e9)
-  const cpuAfter = measuredCpuSplitMs(process.pid)?.postgres
-  return { rate, pgCpuUs: cpuBefore === undefined || cpuAfter === undefined ? null : (cpuAfter - cpuBefore) * 1000 / CLAIMS }
+  const cpuAfter = postgresCpuMs()
+  return { rate, pgCpuUs: cpuBefore === null || cpuAfter === null ? null : (cpuAfter - cpuBefore) * 1000 / CLAIMS }
 }
 
-const median = (values: number[]): number => { const s = [...values].sort((a, b) => a - b); return s[Math.floor(s.length / 2)] as number }
 const rates = { fresh: {}, duplicate: {} } as Record<Path, Partial<Record<Form, number[]>>>
 const cpu = { fresh: {}, duplicate: {} } as Record<Path, Partial<Record<Form, number[]>>>
 // Warm-up: prepares the statements on every connection.
@@ -147,17 +141,17 @@ for (let round = 0; round < ROUNDS; round++) {
 }
 
 const [server] = await sql`SHOW server_version`
-const result: Record<string, unknown> = { date: new Date().toISOString(), node: process.version, postgresServer: server?.server_version, quick, rounds: ROUNDS, claims: CLAIMS, concurrency: CONCURRENCY, paths: {}, walBytesPerDuplicate: {} }
+const result: ClaimFormsSection = { postgres: String(server?.server_version).split(' ')[0]!, rounds: ROUNDS, claims: CLAIMS, concurrency: CONCURRENCY, paths: { fresh: {}, duplicate: {} }, walBytesPerDuplicate: {} }
 for (const path of ['fresh', 'duplicate'] as const) {
   const cte = median(rates[path].cte!)
-  const rows: Record<string, { claimsPerSecond: number, toCte: number, pgCpuUsPerClaim: number | null }> = {}
+  const rows: Record<string, ClaimFormFigures> = {}
   for (const form of FORMS[path]) {
     const rate = median(rates[path][form]!)
     const pgCpu = cpu[path][form] === undefined ? null : median(cpu[path][form])
     rows[form] = { claimsPerSecond: Math.round(rate), toCte: Math.round(rate / cte * 100) / 100, pgCpuUsPerClaim: pgCpu === null ? null : Math.round(pgCpu * 10) / 10 }
     console.log(`${path.padEnd(9)} ${form.padEnd(10)} ${rate.toFixed(0).padStart(6)}/s  ${(rate / cte).toFixed(2)}× cte  PostgreSQL ${pgCpu === null ? '–' : pgCpu.toFixed(1)} µs CPU per claim`)
   }
-  (result.paths as Record<string, unknown>)[path] = rows
+  result.paths[path] = rows
 }
 // What a duplicate claim writes: WAL bytes per claim over one more duplicate pass of each form.
 for (const form of FORMS.duplicate) {
@@ -165,12 +159,12 @@ for (const form of FORMS.duplicate) {
   await measure(form, 'duplicate')
   const [written] = await sql`SELECT pg_wal_lsn_diff(pg_current_wal_insert_lsn(), ${before?.lsn}::pg_lsn)::float8 AS bytes`
   const bytes = Math.round(Number(written?.bytes) / CLAIMS)
-  ;(result.walBytesPerDuplicate as Record<string, number>)[form] = bytes
+  result.walBytesPerDuplicate[form] = bytes
   console.log(`duplicate ${form}: ${bytes} WAL bytes per claim`)
 }
-mkdirSync(dirname(OUT), { recursive: true })
-writeFileSync(OUT, JSON.stringify(result, null, 2) + '\n')
-console.log(`written to ${OUT}`)
+const out = summaryPath(options.out, quick)
+writeSection(out, 'claimForms', result)
+console.log(`written to ${out}`)
 await sql`DROP SCHEMA ${sql(schema)} CASCADE`
 await sql.end({ timeout: 2 })
 await services.stop()

@@ -1,45 +1,24 @@
 /**
- * The benchmark's route, the same in every setup and in every script that serves one (server.ts,
- * memory.ts): POST /pay with a JSON body schema, answering 201 with a JSON payment. A user's route
- * validates its body; the independent harness of issue 14 did, and ours did not, which is part of
- * why the two disagreed on the memory setup. Every setup now does the same Fastify work: parse,
- * validate (Ajv), run the handler, serialise the same object (no response schema: Fastify's default
- * JSON.stringify), send it with the same headers.
+ * The benchmark's route, the same in every setup (server.ts, memory.ts): POST /pay with a JSON body
+ * schema, answering 201 with a JSON payment and no response schema, so that every setup does the
+ * same Fastify work (parse, validate, serialise, send) and the differences are the idempotency layer's.
  */
 import { createHash } from 'node:crypto'
 
 export interface PayBody { amount: number, currency: string }
 
-/** The request body every load generator sends (valid against PAY_SCHEMA). */
+/** The request body every benchmark sends (valid against PAY_SCHEMA). */
 export const BODY = '{"amount":1000,"currency":"EUR"}'
 
 /** amount an integer, currency three capital letters, nothing else. */
 export const PAY_SCHEMA = {
-  body: {
-    type: 'object',
-    required: ['amount', 'currency'],
-    properties: {
-      amount: { type: 'integer' },
-      currency: { type: 'string', pattern: '^[A-Z]{3}$' }
-    },
-    additionalProperties: false
-  }
+  body: { type: 'object', required: ['amount', 'currency'], properties: { amount: { type: 'integer' }, currency: { type: 'string', pattern: '^[A-Z]{3}$' } }, additionalProperties: false }
 } as const
 
 /** ~200 bytes of JSON, the same shape in every setup; `id` is padded so its length does not vary. */
 export function basePayment (id: number | string, body: PayBody): Record<string, unknown> {
   const n = String(id).padStart(12, '0')
-  return {
-    id: `pay_${n}`,
-    object: 'payment',
-    status: 'succeeded',
-    amount: body.amount,
-    currency: body.currency,
-    description: `benchmark payment ${n}`,
-    livemode: false,
-    created: Math.floor(Date.now() / 1000),
-    receipt: `rcpt_${n}`
-  }
+  return { id: `pay_${n}`, object: 'payment', status: 'succeeded', amount: body.amount, currency: body.currency, description: `benchmark payment ${n}`, livemode: false, created: Math.floor(Date.now() / 1000), receipt: `rcpt_${n}` }
 }
 
 /**

@@ -1,7 +1,6 @@
 /**
- * The tables benchmarks/server.ts expects in BENCH_SCHEMA, created the same way by every script that
- * starts its servers (run.ts, crosscheck.ts): both record tables from the driver's own migrate(),
- * so the floors write the very same shape as the plugin, and the business table pg-atomic and
+ * The tables server.ts expects in BENCH_SCHEMA: both record tables from the driver's own migrate(),
+ * so that the floors write the very same rows as the plugin, and the business table pg-atomic and
  * floor-txn insert into.
  */
 import type postgres from 'postgres'

@@ -1,74 +1,39 @@
 /**
- * One benchmark server, in its own process: `SETUP=<name> node --import tsx benchmarks/server.ts`
- * (benchmarks/run.ts and benchmarks/crosscheck.ts start one per measurement). Prints {"port":n} on
- * stdout once listening on 127.0.0.1; SIGTERM closes it (app, store, then the client).
+ * One benchmark server: `SETUP=<name> node --import tsx benchmarks/server.ts` (run.ts starts one per
+ * measurement). Prints {"port":n} once listening on 127.0.0.1; SIGTERM closes it.
  *
- * Environment: SETUP (one of SETUPS below); for the Postgres setups DATABASE_URL, BENCH_SCHEMA (the
- * schema benchmarks/schema.ts created: tables `records`, `floor_records`, `payments`) and
- * BENCH_POOL_MAX (10); pg-redis and peer-redis also need REDIS_URL. BENCH_PAYLOAD: the response's
- * size in bytes (200, or more: the payment padded, benchmarks/route.ts). BENCH_TTL (memory only):
- * records expire after that many ms and are swept every 200 ms, so that the store stops growing
- * (benchmarks/page-faults.ts); without it they are kept for the default day.
- *
- * Every setup answers POST /pay, validated by the same JSON schema (benchmarks/route.ts), with the
- * same JSON payment (201). GET /stats (never protected) returns how many times the operation
- * executed (run.ts checks that fresh keys each executed once and that replays executed nothing),
- * how many POST /pay responses were sent, what reached PostgreSQL and Redis (statements or commands,
- * and round trips, counted on the wire: benchmarks/counting.ts), and the server-side latency of
- * POST /pay in microseconds (p50/p99/p99.9, onRequest to onResponse, since the last POST
- * /stats/reset). Each setup imports only what it uses, so that a server starts fast.
- * peer-memory and peer-redis are @node-idempotency/core (benchmarks/peer-glue.ts).
+ * Environment: SETUP (one of SETUPS below); for PostgreSQL DATABASE_URL, BENCH_SCHEMA (run.ts's
+ * tables) and BENCH_POOL_MAX; for Redis REDIS_URL; BENCH_PAYLOAD, the response's size in bytes.
+ * Every setup answers POST /pay with the same schema and payment (route.ts). GET /stats returns the
+ * handler's executions, the responses sent, what reached PostgreSQL and Redis (counting.ts) and the
+ * server's own latency of POST /pay in µs (onRequest to onResponse, since POST /stats/reset).
  */
 import { createHash, randomUUID } from 'node:crypto'
+import { createHistogram } from 'node:perf_hooks'
 import Fastify, { type FastifyReply, type FastifyRequest, type RouteHandlerMethod } from 'fastify'
 import type postgres from 'postgres'
 import { countingSocket, countRedis, emptyCounts, type WireCounts } from './counting.js'
 import { PAY_SCHEMA, padding, payment as paymentOf, type PayBody } from './route.js'
 
-/** The plugin's defaults, which the floors write too, so their table holds the same rows. */
+/** The plugin's defaults, which the floors write too, so that their table holds the same rows. */
 const TTL_MS = 86_400_000
 const LEASE_MS = 30_000
 const SCOPE = 'bench'
 const RECORDED_HEADERS = { 'content-type': 'application/json; charset=utf-8' }
+const PADDING = padding(Number(process.env.BENCH_PAYLOAD ?? '200'))
+const payment = (id: number | string, body: PayBody): Record<string, unknown> => paymentOf(id, body, PADDING)
 
 let executions = 0
 let requests = 0
 /** What reached PostgreSQL / Redis; null for a setup without that backend. */
 let pgCounts: WireCounts | null = null
 let redisCounts: WireCounts | null = null
+/** Run at SIGTERM after app.close(), in order. */
+const closers: Array<() => Promise<unknown>> = []
 const app = Fastify()
 
-/**
- * Server-side latency of POST /pay, in whole microseconds, in a log-linear histogram: exact below
- * 1024 µs, then 128 sub-buckets per power of two (under 1% error), up to 2^31 µs. Fixed size, so
- * recording allocates nothing and the server's RSS does not depend on the request count.
- */
-const LINEAR = 1024
-const SUB_BITS = 7
-const histogram = new Float64Array(LINEAR + (31 - 10) * (1 << SUB_BITS))
-let samples = 0
-function bucketOf (us: number): number {
-  if (us < LINEAR) return us
-  const exponent = Math.min(30, 31 - Math.clz32(us)) // floor(log2(us)), ≥ 10
-  return LINEAR + (exponent - 10) * (1 << SUB_BITS) + ((us >>> (exponent - SUB_BITS)) & ((1 << SUB_BITS) - 1))
-}
-/** The bucket's lower bound, in µs. */
-function valueOf (bucket: number): number {
-  if (bucket < LINEAR) return bucket
-  const exponent = 10 + Math.floor((bucket - LINEAR) / (1 << SUB_BITS))
-  const sub = (bucket - LINEAR) % (1 << SUB_BITS)
-  return ((1 << SUB_BITS) + sub) * 2 ** (exponent - SUB_BITS)
-}
-function percentile (q: number): number | null {
-  if (samples === 0) return null
-  const rank = Math.ceil(q * samples)
-  let seen = 0
-  for (let i = 0; i < histogram.length; i++) {
-    seen += histogram[i]!
-    if (seen >= rank) return valueOf(i)
-  }
-  return null
-}
+/** Node's HDR histogram (2 significant figures): fixed size, so recording allocates nothing. */
+const latency = createHistogram({ lowest: 1, highest: 2 ** 31, figures: 2 })
 // Added first, before any plugin, so that they bracket the whole lifecycle (the plugins' hooks too).
 const startedAt = Symbol('startedAt')
 type Timed = FastifyRequest & { [startedAt]?: bigint }
@@ -76,47 +41,16 @@ app.addHook('onRequest', (request, _reply, done) => { (request as Timed)[started
 app.addHook('onResponse', (request, _reply, done) => {
   const start = (request as Timed)[startedAt]
   if (start !== undefined && request.url === '/pay') {
-    histogram[bucketOf(Math.min(2 ** 31 - 1, Number((process.hrtime.bigint() - start) / 1000n)))]!++
-    samples++
+    latency.record(Math.max(1, Number((process.hrtime.bigint() - start) / 1000n)))
     requests++
   }
   done()
 })
 
-/**
- * The peer's storage, with every call counted as one Redis command and one round trip: its Redis
- * adapter (node-redis) sends exactly one command per call (SET NX PX, SET PX, GET) and awaits it.
- */
-function countedStorage<S extends { setIfNotExists: (...args: never[]) => Promise<boolean>, set: (...args: never[]) => Promise<void>, get: (...args: never[]) => Promise<string | undefined> }> (storage: S, counts: WireCounts): S {
-  for (const name of ['setIfNotExists', 'set', 'get'] as const) {
-    const call = (storage[name] as (...args: unknown[]) => Promise<unknown>).bind(storage)
-    Object.assign(storage, { [name]: (...args: unknown[]) => { counts.statements++; counts.roundTrips++; return call(...args) } })
-  }
-  return storage
-}
-
-/** Run at SIGTERM after app.close(), in order. */
-const closers: Array<() => Promise<unknown>> = []
-
 function env (name: string): string {
   const value = process.env[name]
   if (value === undefined || value === '') throw new Error(`benchmarks/server.ts: ${name} is not set`)
   return value
-}
-
-/** pg-lease behind the Redis pre-filter, its commands pipelined per event-loop turn or not. */
-async function prefiltered (pipeline: boolean): Promise<void> {
-  const { default: idempotency } = await plugin()
-  const { postgresStore } = await import('../drivers/postgres/index.js')
-  const { redisPrefilter } = await import('../drivers/redis/index.js')
-  const { Redis } = await import('ioredis')
-  const store = postgresStore({ sql: await database(), schema: env('BENCH_SCHEMA'), table: 'records' })
-  const redis = new Redis(env('REDIS_URL'), { enableOfflineQueue: true })
-  countRedis(redis, redisCounts = emptyCounts())
-  closers.unshift(() => store.close())
-  closers.push(async () => { redis.disconnect() })
-  await app.register(idempotency, { store, prefilter: redisPrefilter({ client: redis, prefix: `bench-${randomUUID()}`, pipeline }), scope: () => SCOPE })
-  route(pay)
 }
 
 /** The pool every Postgres setup uses (same size, same client), its wire counted. */
@@ -131,14 +65,6 @@ async function database (): Promise<postgres.Sql> {
   return sql
 }
 
-/** BENCH_PAYLOAD: the response's JSON size in bytes, 200 (the bare payment) or more (padded). */
-const PAYLOAD_BYTES = Number(process.env.BENCH_PAYLOAD ?? '200')
-if (!Number.isInteger(PAYLOAD_BYTES) || PAYLOAD_BYTES < 0) throw new Error(`benchmarks/server.ts: BENCH_PAYLOAD=${process.env.BENCH_PAYLOAD}`)
-/** Built once: none at 200. */
-const PADDING = padding(PAYLOAD_BYTES)
-
-const payment = (id: number | string, body: PayBody): Record<string, unknown> => paymentOf(id, body, PADDING)
-
 /** POST /pay, with its schema: every setup declares its route through this. */
 function route (handler: RouteHandlerMethod): void {
   app.post('/pay', { schema: PAY_SCHEMA }, handler)
@@ -149,68 +75,53 @@ async function pay (request: FastifyRequest, reply: FastifyReply): Promise<Fasti
   return reply.code(201).send(payment(++executions, request.body as PayBody))
 }
 
-async function plugin (): Promise<typeof import('../lib/index.js')> {
-  return await import('../lib/index.js')
+/** The plugin on the PostgreSQL store, lease or atomic mode, with or without the Redis pre-filter. */
+async function postgresPlugin ({ transaction = false, pipeline }: { transaction?: boolean, pipeline?: boolean }): Promise<void> {
+  const { default: idempotency } = await import('../lib/index.js')
+  const { postgresStore } = await import('../drivers/postgres/index.js')
+  const store = postgresStore({ sql: await database(), schema: env('BENCH_SCHEMA'), table: 'records' })
+  closers.unshift(() => store.close()) // before the client ends
+  let prefilter
+  if (pipeline !== undefined) {
+    const { redisPrefilter } = await import('../drivers/redis/index.js')
+    const { Redis } = await import('ioredis')
+    const redis = new Redis(env('REDIS_URL'), { enableOfflineQueue: true })
+    countRedis(redis, redisCounts = emptyCounts())
+    closers.push(async () => { redis.disconnect() })
+    prefilter = redisPrefilter({ client: redis, prefix: `bench-${randomUUID()}`, pipeline })
+  }
+  await app.register(idempotency, { store, scope: () => SCOPE, transaction, ...(prefilter === undefined ? {} : { prefilter }) })
+}
+
+/** The peer's storage, each call counted as one Redis command and round trip (its adapter sends one command per call). */
+function countedStorage<S extends object> (storage: S, counts: WireCounts): S {
+  for (const name of ['setIfNotExists', 'set', 'get'] as const) {
+    const call = (storage as Record<string, (...args: unknown[]) => Promise<unknown>>)[name]!.bind(storage)
+    Object.assign(storage, { [name]: (...args: unknown[]) => { counts.statements++; counts.roundTrips++; return call(...args) } })
+  }
+  return storage
 }
 
 const SETUPS: Record<string, () => Promise<void>> = {
-  async bare () {
-    route(pay)
-  },
+  async bare () { route(pay) },
 
   async memory () {
-    const { default: idempotency, memoryStore } = await plugin()
-    // A 1 MiB run records a few thousand responses (GBs): past the default 768 MiB budget, a full
-    // store refuses new keys with 503 (by design), which is not what the scenario measures. The
-    // peer's memory adapter has no budget at all.
-    const ttl = process.env.BENCH_TTL === undefined ? {} : { ttl: Number(process.env.BENCH_TTL) }
-    const sweep = process.env.BENCH_TTL === undefined ? {} : { purgeInterval: 200 }
-    await app.register(idempotency, { store: memoryStore({ maxBytes: 16 * 1024 ** 3, ...sweep }), scope: () => SCOPE, ...ttl })
+    // A 1 MiB run records GBs of responses: past the default budget a full store answers 503 (by
+    // design), which is not what the scenario measures. The peer's memory adapter has no budget.
+    const { default: idempotency, memoryStore } = await import('../lib/index.js') // each setup imports only what it uses
+    await app.register(idempotency, { store: memoryStore({ maxBytes: 16 * 1024 ** 3 }), scope: () => SCOPE })
     route(pay)
   },
 
-  async 'pg-lease' () {
-    const { default: idempotency } = await plugin()
-    const { postgresStore } = await import('../drivers/postgres/index.js')
-    const store = postgresStore({ sql: await database(), schema: env('BENCH_SCHEMA'), table: 'records' })
-    closers.unshift(() => store.close()) // before the client ends
-    await app.register(idempotency, { store, scope: () => SCOPE })
-    route(pay)
-  },
-
-  // pg-lease with the Redis pre-filter in front: duplicates answered from Redis never reach Postgres.
-  'pg-redis': async () => { await prefiltered(true) },
-
-  // The same with the pre-filter's `pipeline: false`: each Redis command in a write of its own.
-  'pg-redis-unpipelined': async () => { await prefiltered(false) },
-
-  // The peer, @node-idempotency/core 1.0.11, through our glue: its memory adapter.
-  async 'peer-memory' () {
-    const { peerIdempotency } = await import('./peer-glue.js')
-    const { MemoryStorageAdapter } = await import('@node-idempotency/storage-adapter-memory')
-    peerIdempotency(app, new MemoryStorageAdapter())
-    route(pay)
-  },
-
-  // The peer with its Redis adapter (node-redis 4): the closest peer to pg-redis.
-  async 'peer-redis' () {
-    const { peerIdempotency } = await import('./peer-glue.js')
-    const { RedisStorageAdapter } = await import('@node-idempotency/storage-adapter-redis')
-    const storage = new RedisStorageAdapter({ url: env('REDIS_URL') })
-    await storage.connect()
-    closers.push(() => storage.disconnect())
-    peerIdempotency(app, countedStorage(storage, redisCounts = emptyCounts()))
-    route(pay)
-  },
+  async 'pg-lease' () { await postgresPlugin({}); route(pay) },
+  async 'pg-redis' () { await postgresPlugin({ pipeline: true }); route(pay) },
+  // Each Redis command in a write of its own.
+  async 'pg-redis-unpipelined' () { await postgresPlugin({ pipeline: false }); route(pay) },
 
   // The business row commits in the same transaction as the claim and the recorded response.
   async 'pg-atomic' () {
-    const { default: idempotency } = await plugin()
-    const { postgresStore } = await import('../drivers/postgres/index.js')
+    await postgresPlugin({ transaction: true })
     const schema = env('BENCH_SCHEMA')
-    const store = postgresStore({ sql: await database(), schema, table: 'records' })
-    closers.unshift(() => store.close())
-    await app.register(idempotency, { store, scope: () => SCOPE, transaction: true })
     route(async (request, reply) => {
       const body = request.body as PayBody
       const tx = request.idempotency?.sql
@@ -224,54 +135,51 @@ const SETUPS: Record<string, () => Promise<void>> = {
     })
   },
 
-  // The floors: what any Postgres-backed implementation must run, by hand and without the plugin,
-  // on the same pool, the same table (the driver's migrate(): benchmarks/schema.ts) and prepared
-  // statements (postgres.js prepares every statement once per connection). They store what the
-  // contract needs: a fingerprint (for 422) and an owner token (fencing).
+  async 'peer-memory' () {
+    const { peerIdempotency } = await import('./peer-glue.js')
+    const { MemoryStorageAdapter } = await import('@node-idempotency/storage-adapter-memory')
+    peerIdempotency(app, new MemoryStorageAdapter())
+    route(pay)
+  },
 
-  // A fresh key: the claim (INSERT … ON CONFLICT DO NOTHING RETURNING), the operation, the UPDATE
-  // recording the response; 2 statements in autocommit. A key already there: a SELECT of it.
+  async 'peer-redis' () {
+    const { peerIdempotency } = await import('./peer-glue.js')
+    const { RedisStorageAdapter } = await import('@node-idempotency/storage-adapter-redis')
+    const storage = new RedisStorageAdapter({ url: env('REDIS_URL') })
+    await storage.connect()
+    closers.push(() => storage.disconnect())
+    peerIdempotency(app, countedStorage(storage, redisCounts = emptyCounts()))
+    route(pay)
+  },
+
+  // The floors: what any Postgres-backed implementation must run, by hand, on the same pool, the
+  // same table (the driver's migrate()) and prepared statements, storing what the contract needs:
+  // a fingerprint (for 422) and an owner token (fencing).
+
+  // A fresh key: the claim and the UPDATE recording the response, 2 statements in autocommit.
   async 'floor-sql' () {
-    const sql = await database()
-    const floor = floorStatements(sql, env('BENCH_SCHEMA'))
-    route(async (request, reply) => {
-      const key = keyOf(request)
-      if (key === null) return reply.code(400).send()
-      const fingerprint = fingerprintOf(request)
-      if (!await floor.fresh(key, fingerprint, request.body as PayBody, reply)) await floor.replay(key, fingerprint, reply)
-      return reply
+    const floor = floorStatements(await database(), env('BENCH_SCHEMA'))
+    floorRoute(async (key, fingerprint, body, reply) => {
+      if (!await floor.fresh(key, fingerprint, body, reply)) await floor.replay(key, fingerprint, reply)
     })
   },
 
-  // The replay floor: ONE primary-key SELECT returning the stored body answers a completed key. A
-  // key not there yet then takes floor-sql's fresh path (so 3 statements for a fresh key: this is
-  // the floor of replays only).
+  // A completed key: ONE primary-key SELECT returning the stored body (a new key then takes
+  // floor-sql's path: this is the floor of replays only).
   async 'floor-select' () {
-    const sql = await database()
-    const floor = floorStatements(sql, env('BENCH_SCHEMA'))
-    route(async (request, reply) => {
-      const key = keyOf(request)
-      if (key === null) return reply.code(400).send()
-      const fingerprint = fingerprintOf(request)
-      const answered = await floor.replay(key, fingerprint, reply, true) ||
-        await floor.fresh(key, fingerprint, request.body as PayBody, reply)
-      if (!answered) await floor.replay(key, fingerprint, reply)
-      return reply
+    const floor = floorStatements(await database(), env('BENCH_SCHEMA'))
+    floorRoute(async (key, fingerprint, body, reply) => {
+      if (!(await floor.replay(key, fingerprint, reply, true) || await floor.fresh(key, fingerprint, body, reply))) await floor.replay(key, fingerprint, reply)
     })
   },
 
-  // The atomic floor: BEGIN, the claim INSERT, the same business INSERT as pg-atomic's, the UPDATE
-  // recording the response, COMMIT, in one transaction (5 statements, 5 round trips). A key
-  // already there: the claim waits for its transaction, inserts nothing, and a SELECT answers it.
+  // BEGIN, the claim, the same business INSERT as pg-atomic's, the UPDATE, COMMIT: 5 statements,
+  // 5 round trips. A key already there: the claim waits for its transaction, then a SELECT answers.
   async 'floor-txn' () {
     const sql = await database()
     const schema = env('BENCH_SCHEMA')
     const floor = floorStatements(sql, schema)
-    route(async (request, reply) => {
-      const key = keyOf(request)
-      if (key === null) return reply.code(400).send()
-      const fingerprint = fingerprintOf(request)
-      const body = request.body as PayBody
+    floorRoute(async (key, fingerprint, body, reply) => {
       const token = randomUUID()
       const recorded = await sql.begin(async (tx) => {
         if (!await floorClaim(tx, schema, key, fingerprint, token)) return null
@@ -286,20 +194,24 @@ const SETUPS: Record<string, () => Promise<void>> = {
       })
       if (recorded === null) await floor.replay(key, fingerprint, reply)
       else void reply.code(201).headers(RECORDED_HEADERS).send(recorded)
-      return reply
     })
   }
 }
 
-/** The key's value: the sf-string without its quotes (the minimum parse; the plugin does RFC 8941). */
-function keyOf (request: FastifyRequest): string | null {
-  const raw = request.headers['idempotency-key']
-  if (typeof raw !== 'string' || raw.length === 0) return null
-  return raw.length >= 2 && raw.startsWith('"') && raw.endsWith('"') ? raw.slice(1, -1) : raw
-}
-
-function fingerprintOf (request: FastifyRequest): Buffer {
-  return createHash('sha256').update(request.method).update(request.url).update(JSON.stringify(request.body)).digest()
+/**
+ * A floor's POST /pay: the key (the sf-string without its quotes: the minimum parse, where the
+ * plugin does RFC 8941) and a SHA-256 fingerprint of method, URL and body, then `handle`, which
+ * sends the answer. It never resolves to the reply, a thenable that would make an await wait for
+ * the response to be written.
+ */
+function floorRoute (handle: (key: string, fingerprint: Buffer, body: PayBody, reply: FastifyReply) => Promise<void>): void {
+  route(async (request, reply) => {
+    const raw = request.headers['idempotency-key']
+    if (typeof raw !== 'string' || raw.length < 3) return reply.code(400).send()
+    const fingerprint = createHash('sha256').update(request.method).update(request.url).update(JSON.stringify(request.body)).digest()
+    await handle(raw.slice(1, -1), fingerprint, request.body as PayBody, reply)
+    return reply
+  })
 }
 
 /** The floors' claim: one INSERT … ON CONFLICT DO NOTHING, in autocommit or in `handle`'s transaction. True when it claimed. */
@@ -323,11 +235,7 @@ async function floorComplete (handle: postgres.Sql | postgres.TransactionSql, sc
     WHERE scope = ${SCOPE} AND key = ${key} AND owner_token = ${token} AND state = 'in_progress'`
 }
 
-/**
- * The floors' statements, shared so that each floor runs exactly the same text. Each sends its
- * answer and resolves to whether it did: never to the reply, a thenable that would make the
- * caller's await wait for the response to be written (and read as undefined).
- */
+/** The floors' statements, shared so that each floor runs exactly the same text; each resolves to whether it answered. */
 function floorStatements (sql: postgres.Sql, schema: string) {
   return {
     /** Claims and runs a fresh key (2 statements); false when the key is already there. */
@@ -340,11 +248,7 @@ function floorStatements (sql: postgres.Sql, schema: string) {
       return true
     },
 
-    /**
-     * Answers a key from its record with one primary-key SELECT: the replay, 422 or 409. A key with
-     * no live record: 409 (it was claimed a moment ago, or is being reclaimed), or false with
-     * `missingIsFalse` (nothing sent: the caller goes on to claim it).
-     */
+    /** One primary-key SELECT answers the key: the replay, 422 or 409; no live record: 409, or false with `missingIsFalse`. */
     async replay (key: string, fingerprint: Buffer, reply: FastifyReply, missingIsFalse = false): Promise<boolean> {
       const [row] = await sql`
         SELECT state, fingerprint, response_status, response_headers, response_body
@@ -352,9 +256,8 @@ function floorStatements (sql: postgres.Sql, schema: string) {
         WHERE scope = ${SCOPE} AND key = ${key} AND expires_at > now()`.values()
       if (row === undefined && missingIsFalse) return false
       const [state, digest, status, headers, body] = (row ?? []) as [string?, Buffer?, number?, Record<string, string>?, Buffer?]
-      if (row === undefined) void reply.code(409).send()
+      if (row === undefined || state !== 'completed') void reply.code(409).send()
       else if (!digest!.equals(fingerprint)) void reply.code(422).send()
-      else if (state !== 'completed') void reply.code(409).send()
       else void reply.code(status!).headers(headers!).header('idempotent-replayed', 'true').send(body)
       return true
     }
@@ -370,9 +273,9 @@ app.get('/stats', async () => ({
   requests,
   pg: pgCounts,
   redis: redisCounts,
-  latencyUs: { samples, p50: percentile(0.5), p99: percentile(0.99), p99_9: percentile(0.999) }
+  latencyUs: { samples: latency.count, p50: latency.percentile(50), p99: latency.percentile(99), p99_9: latency.percentile(99.9) }
 }))
-app.post('/stats/reset', { config: { idempotency: false } }, async () => { histogram.fill(0); samples = 0; return { ok: true } })
+app.post('/stats/reset', { config: { idempotency: false } }, async () => { latency.reset(); return { ok: true } })
 await app.listen({ host: '127.0.0.1', port: 0 })
 const address = app.server.address()
 process.stdout.write(JSON.stringify({ port: typeof address === 'object' && address !== null ? address.port : 0 }) + '\n')

@@ -1,99 +1,65 @@
 /**
- * Issue 14's targets, each judged on one run of run.ts: met, missed (and by how much), or not
- * measured (a filtered or failed run). The lead publishes this section; nothing here fails a run.
+ * The plugin's performance targets, each judged on the summary's figures: met, missed (and by how
+ * much) or not measured. `npm run bench` prints them all; nothing here fails a run.
  */
-import type { Summary } from './summary.js'
-
-export interface TargetResult {
-  id: string
-  target: string
-  /** What was measured, in words ("0.45× bare"). */
-  measured: string
-  value: number | null
-  /** met: the target holds; null: not measured in this run. */
-  met: boolean | null
-  /** How far from the target, in its unit (0 when met). */
-  shortBy: number | null
-}
-
-type Rows = Record<string, Summary[]>
+import type { SetupFigures, Summary } from './summary-file.js'
 
 interface Target {
-  id: string
-  target: string
-  scenario: string
-  setup: string
-  /** The figure; null when it was not measured. */
-  value: (row: Summary, rows: Summary[]) => number | null
-  /** ≥ goal (at least), ≤ goal (at most) or = goal (exactly, to 0.005). */
-  goal: { at: 'least' | 'most' | 'exactly', value: number }
-  unit: (value: number) => string
+  text: string
+  /** The figure, null when it was not measured. */
+  value: (summary: Summary) => number | null
+  at: 'least' | 'most' | 'exactly'
+  goal: number
+  unit: string
 }
 
-const times = (to: string) => (v: number): string => `${v.toFixed(2)}× ${to}`
-const per = (what: string) => (v: number): string => `${v.toFixed(v === 0 || v >= 0.1 ? 2 : 4)} ${what} per request`
-const ratioTo = (to: string) => (row: Summary): number | null => row.ratioTo[to] ?? null
+const figures = (summary: Summary, scenario: string, setup: string): SetupFigures | undefined => summary.load?.scenarios[scenario]?.setups[setup]
+const ratio = (scenario: string, setup: string, to: string) => (s: Summary): number | null => figures(s, scenario, setup)?.ratioTo[to] ?? null
+const field = (scenario: string, setup: string, name: 'p99ToBare' | 'pgStatements' | 'pgRoundTrips' | 'redisRoundTrips') => (s: Summary): number | null => figures(s, scenario, setup)?.[name] ?? null
 
-const TARGETS: readonly Target[] = [
-  { id: 'memory-fresh', target: 'memory store, fresh keys ≥ 0.85× bare', scenario: 'fresh', setup: 'memory', value: ratioTo('bare'), goal: { at: 'least', value: 0.85 }, unit: times('bare') },
-  { id: 'memory-replay', target: 'memory store, replays ≥ 0.9× bare', scenario: 'replay', setup: 'memory', value: ratioTo('bare'), goal: { at: 'least', value: 0.9 }, unit: times('bare') },
-  { id: 'memory-fresh-peer', target: 'memory store, fresh keys ≥ 1.3× the peer\'s memory adapter', scenario: 'fresh', setup: 'memory', value: ratioTo('peer-memory'), goal: { at: 'least', value: 1.3 }, unit: times('peer-memory') },
-  { id: 'memory-replay-peer', target: 'memory store, replays ≥ 1.3× the peer\'s memory adapter', scenario: 'replay', setup: 'memory', value: ratioTo('peer-memory'), goal: { at: 'least', value: 1.3 }, unit: times('peer-memory') },
-  { id: 'memory-fresh-p99', target: 'memory store, fresh keys: server p99 ≤ 1.5× bare\'s', scenario: 'fresh', setup: 'memory', value: (row) => row.p99UsToBare, goal: { at: 'most', value: 1.5 }, unit: times('bare\'s p99') },
-  { id: 'memory-replay-p99', target: 'memory store, replays: server p99 ≤ 1.5× bare\'s', scenario: 'replay', setup: 'memory', value: (row) => row.p99UsToBare, goal: { at: 'most', value: 1.5 }, unit: times('bare\'s p99') },
-  { id: 'lease-fresh', target: 'Postgres lease, fresh keys ≥ 0.9× floor-sql', scenario: 'fresh', setup: 'pg-lease', value: ratioTo('floor-sql'), goal: { at: 'least', value: 0.9 }, unit: times('floor-sql') },
-  { id: 'lease-fresh-statements', target: 'Postgres lease, fresh keys: exactly 2 statements', scenario: 'fresh', setup: 'pg-lease', value: (row) => row.probePgStatements, goal: { at: 'exactly', value: 2 }, unit: per('statements') },
-  { id: 'lease-replay', target: 'Postgres lease, replays ≥ 0.9× floor-select', scenario: 'replay', setup: 'pg-lease', value: ratioTo('floor-select'), goal: { at: 'least', value: 0.9 }, unit: times('floor-select') },
-  { id: 'lease-replay-statements', target: 'Postgres lease, replays: 1 statement', scenario: 'replay', setup: 'pg-lease', value: (row) => row.probePgStatements, goal: { at: 'exactly', value: 1 }, unit: per('statements') },
-  { id: 'atomic-fresh', target: 'atomic mode, fresh keys ≥ 0.9× floor-txn', scenario: 'fresh', setup: 'pg-atomic', value: ratioTo('floor-txn'), goal: { at: 'least', value: 0.9 }, unit: times('floor-txn') },
-  { id: 'atomic-fresh-round-trips', target: 'atomic mode, fresh keys: ≤ 5 round trips', scenario: 'fresh', setup: 'pg-atomic', value: (row) => row.probePgRoundTrips, goal: { at: 'most', value: 5 }, unit: per('round trips') },
-  { id: 'prefilter-fresh', target: 'Redis pre-filter, fresh keys ≤ 10% slower than Postgres lease alone (≥ 0.9×)', scenario: 'fresh', setup: 'pg-redis', value: ratioTo('pg-lease'), goal: { at: 'least', value: 0.9 }, unit: times('pg-lease') },
-  { id: 'prefilter-fresh-redis', target: 'Redis pre-filter, fresh keys: at most 1 Redis round trip', scenario: 'fresh', setup: 'pg-redis', value: (row) => row.probeRedisRoundTrips, goal: { at: 'most', value: 1 }, unit: per('Redis round trips') },
-  { id: 'prefilter-replay', target: 'Redis pre-filter, replays ≥ 0.7× bare', scenario: 'replay', setup: 'pg-redis', value: ratioTo('bare'), goal: { at: 'least', value: 0.7 }, unit: times('bare') },
-  { id: 'prefilter-replay-statements', target: 'Redis pre-filter, replays: 0 store statements', scenario: 'replay', setup: 'pg-redis', value: (row) => row.pgStatements, goal: { at: 'exactly', value: 0 }, unit: per('statements') },
-  {
-    id: 'prefilter-storm',
-    target: 'Redis pre-filter, storm ≥ the peer\'s Redis storm ratio (to bare)',
-    scenario: 'storm',
-    setup: 'pg-redis',
-    value: ratioTo('peer-redis'),
-    goal: { at: 'least', value: 1 },
-    unit: times('peer-redis')
-  },
-  { id: 'prefilter-storm-statements', target: 'Redis pre-filter, storm: ≤ 0.01 store statements per request', scenario: 'storm', setup: 'pg-redis', value: (row) => row.pgStatements, goal: { at: 'most', value: 0.01 }, unit: per('statements') }
+export const TARGETS: readonly Target[] = [
+  { text: 'memory store, fresh keys ≥ 0.85× bare', value: ratio('fresh', 'memory', 'bare'), at: 'least', goal: 0.85, unit: '× bare' },
+  { text: 'memory store, replays ≥ 0.9× bare', value: ratio('replay', 'memory', 'bare'), at: 'least', goal: 0.9, unit: '× bare' },
+  { text: 'memory store, fresh keys ≥ 1.3× the peer\'s memory adapter', value: ratio('fresh', 'memory', 'peer-memory'), at: 'least', goal: 1.3, unit: '× peer-memory' },
+  { text: 'memory store, replays ≥ 1.3× the peer\'s memory adapter', value: ratio('replay', 'memory', 'peer-memory'), at: 'least', goal: 1.3, unit: '× peer-memory' },
+  { text: 'memory store, fresh keys: server p99 ≤ 1.5× bare\'s', value: field('fresh', 'memory', 'p99ToBare'), at: 'most', goal: 1.5, unit: '× bare\'s p99' },
+  { text: 'memory store, replays: server p99 ≤ 1.5× bare\'s', value: field('replay', 'memory', 'p99ToBare'), at: 'most', goal: 1.5, unit: '× bare\'s p99' },
+  { text: 'memory store, 1,000,000 records filled through the plugin ≤ 500 MB RSS (npm run bench:memory)', value: (s) => s.memory?.fill.rssMBFor1M ?? null, at: 'most', goal: 500, unit: 'MB' },
+  { text: 'Postgres lease, fresh keys ≥ 0.9× floor-sql', value: ratio('fresh', 'pg-lease', 'floor-sql'), at: 'least', goal: 0.9, unit: '× floor-sql' },
+  { text: 'Postgres lease, fresh keys: exactly 2 statements', value: field('fresh', 'pg-lease', 'pgStatements'), at: 'exactly', goal: 2, unit: 'statements per request' },
+  { text: 'Postgres lease, replays ≥ 0.9× floor-select', value: ratio('replay', 'pg-lease', 'floor-select'), at: 'least', goal: 0.9, unit: '× floor-select' },
+  { text: 'Postgres lease, replays: 1 statement', value: field('replay', 'pg-lease', 'pgStatements'), at: 'exactly', goal: 1, unit: 'statements per request' },
+  { text: 'atomic mode, fresh keys ≥ 0.9× floor-txn', value: ratio('fresh', 'pg-atomic', 'floor-txn'), at: 'least', goal: 0.9, unit: '× floor-txn' },
+  { text: 'atomic mode, fresh keys: ≤ 5 round trips', value: field('fresh', 'pg-atomic', 'pgRoundTrips'), at: 'most', goal: 5, unit: 'round trips per request' },
+  { text: 'Redis pre-filter, fresh keys ≥ 0.9× Postgres lease alone', value: ratio('fresh', 'pg-redis', 'pg-lease'), at: 'least', goal: 0.9, unit: '× pg-lease' },
+  { text: 'Redis pre-filter, fresh keys: at most 1 Redis round trip', value: field('fresh', 'pg-redis', 'redisRoundTrips'), at: 'most', goal: 1, unit: 'Redis round trips per request' },
+  { text: 'Redis pre-filter, replays ≥ 0.7× bare', value: ratio('replay', 'pg-redis', 'bare'), at: 'least', goal: 0.7, unit: '× bare' },
+  { text: 'Redis pre-filter, replays: 0 store statements', value: field('replay', 'pg-redis', 'pgStatements'), at: 'exactly', goal: 0, unit: 'statements per request' },
+  { text: 'Redis pre-filter, storm ≥ the peer\'s Redis adapter', value: ratio('storm', 'pg-redis', 'peer-redis'), at: 'least', goal: 1, unit: '× peer-redis' },
+  { text: 'Redis pre-filter, storm: ≤ 0.01 store statements per request', value: field('storm', 'pg-redis', 'pgStatements'), at: 'most', goal: 0.01, unit: 'statements per request' }
 ]
 
-const EXACT = 0.005
+export interface TargetResult { text: string, value: number | null, met: boolean | null, shortBy: number | null }
 
-export function evaluateTargets (rows: Rows): TargetResult[] {
+export function evaluateTargets (summary: Summary): TargetResult[] {
   return TARGETS.map((t) => {
-    const scenarioRows = rows[t.scenario] ?? []
-    const row = scenarioRows.find((r) => r.setup === t.setup)
-    const value = row === undefined ? null : t.value(row, scenarioRows)
-    if (value === null || !Number.isFinite(value)) return { id: t.id, target: t.target, measured: 'not measured', value: null, met: null, shortBy: null }
-    const gap = t.goal.at === 'least' ? t.goal.value - value : t.goal.at === 'most' ? value - t.goal.value : Math.abs(value - t.goal.value)
-    const met = t.goal.at === 'exactly' ? gap < EXACT : gap <= 0
-    let measured = t.unit(value)
-    if (t.id === 'prefilter-storm' && row !== undefined) {
-      const peer = scenarioRows.find((r) => r.setup === 'peer-redis')
-      measured += ` (${row.ratioToBare?.toFixed(2) ?? '—'}× bare against the peer's ${peer?.ratioToBare?.toFixed(2) ?? '—'}×)`
-    }
-    return { id: t.id, target: t.target, measured, value, met, shortBy: met ? 0 : Math.round(gap * 1000) / 1000 }
+    const value = t.value(summary)
+    if (value === null || !Number.isFinite(value)) return { text: t.text, value: null, met: null, shortBy: null }
+    const gap = t.at === 'least' ? t.goal - value : t.at === 'most' ? value - t.goal : Math.abs(value - t.goal)
+    const met = t.at === 'exactly' ? gap < 0.005 : gap <= 0
+    return { text: t.text, value, met, shortBy: met ? 0 : Math.round(gap * 1000) / 1000 }
   })
 }
 
-export function targetsTable (results: TargetResult[]): string {
-  const verdict = (r: TargetResult): string => r.met === null ? 'not measured' : r.met ? 'met' : `missed (by ${r.shortBy})`
-  const rows = results.map((r) => [r.target, r.measured, verdict(r)])
-  const head = ['target (issue 14)', 'measured', '']
-  const widths = head.map((h, i) => Math.max(h.length, ...rows.map((cells) => cells[i]!.length)))
-  const line = (cells: string[]): string => `| ${cells.map((c, i) => c.padEnd(widths[i]!)).join(' | ')} |`
-  const met = results.filter((r) => r.met === true).length
+/** Every target, one line each, after a count of those met. */
+export function targetsReport (summary: Summary): string {
+  const results = evaluateTargets(summary)
+  const lines = results.map((r, i) => {
+    const unit = TARGETS[i]!.unit
+    const measured = r.value === null ? 'not measured' : `${Number.isInteger(r.value) ? r.value : r.value.toFixed(2)}${unit.startsWith('×') ? '' : ' '}${unit}`
+    const verdict = r.met === null ? '' : r.met ? ': met' : `: missed by ${r.shortBy}`
+    return `- ${r.text}: ${measured}${verdict}`
+  })
   const measured = results.filter((r) => r.met !== null).length
-  return [
-    `targets: ${met} of ${measured} measured met (${results.length} in all)`,
-    line(head),
-    `|${widths.map((w) => '-'.repeat(w + 2)).join('|')}|`,
-    ...rows.map(line)
-  ].join('\n')
+  return [`targets: ${results.filter((r) => r.met === true).length} of ${measured} measured met (${results.length} in all)`, ...lines].join('\n')
 }

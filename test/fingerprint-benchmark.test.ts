@@ -1,22 +1,23 @@
 import { spawn } from 'node:child_process'
-import { mkdtempSync, readFileSync, rmSync } from 'node:fs'
+import { mkdtempSync, rmSync } from 'node:fs'
 import { tmpdir } from 'node:os'
 import { join } from 'node:path'
 import { fileURLToPath } from 'node:url'
 import t from 'tap'
+import { readSummary } from '../benchmarks/summary-file.js'
 
 /*
- * `npm run bench:fingerprint -- --quick` starts and writes a well-formed result. No figure is
- * judged here (timings belong to the benchmark, run on a quiet machine); the script itself throws
- * when the walk and the recursive implementation disagree on a body's digest.
+ * `npm run bench:fingerprint -- --quick` runs and writes its section of a summary file. No figure
+ * is judged here (timings belong to the benchmark, run on a quiet machine); the script itself throws
+ * when the fingerprint and the reference implementation disagree on a body's digest.
  */
 
 const root = fileURLToPath(new URL('..', import.meta.url))
 
-t.test('npm run bench:fingerprint -- --quick writes a well-formed result', async (t) => {
+t.test('npm run bench:fingerprint -- --quick writes the fingerprint section', async (t) => {
   const dir = mkdtempSync(join(tmpdir(), 'idem-bench-fp-'))
   t.teardown(() => rmSync(dir, { recursive: true, force: true }))
-  const out = join(dir, 'fingerprint.json')
+  const out = join(dir, 'summary.json')
   const { code, output } = await new Promise<{ code: number | null, output: string }>((resolve, reject) => {
     const child = spawn(process.execPath, ['--import', 'tsx', 'benchmarks/fingerprint.ts', '--quick', '--out', out], { cwd: root })
     let text = ''
@@ -25,13 +26,14 @@ t.test('npm run bench:fingerprint -- --quick writes a well-formed result', async
     child.on('error', reject)
     child.on('close', (exit) => resolve({ code: exit, output: text }))
   })
-  t.equal(code, 0, output)
-  const result = JSON.parse(readFileSync(out, 'utf8')) as { quick: boolean, bodies: Array<{ name: string, bytes: number, ms: Record<string, number>, ratios: Record<string, number> }> }
-  t.equal(result.quick, true)
-  t.same(result.bodies.map((b) => b.name), ['200 B payment', '64 KiB line items', '1 MiB flat array of records', '1 MiB flat array of numbers', 'deep/wide object (6 levels x 8 members)'])
-  for (const body of result.bodies) {
+  t.equal(code, 0, 'exit 0', { output })
+  const section = readSummary(out).fingerprint!
+  t.equal(section.rounds, 1)
+  t.same(section.bodies.map((b) => b.name), ['200 B payment', '64 KiB line items', '1 MiB flat array of records', '1 MiB flat array of numbers', 'deep/wide object (6 levels x 8 members)'])
+  for (const body of section.bodies) {
     t.ok(body.bytes > 0, `${body.name}: its size`)
-    for (const method of ['parse', 'recursive', 'canonical', 'keyed']) t.ok(body.ms[method]! > 0, `${body.name}: ${method} measured`)
-    for (const ratio of ['recursiveToParse', 'canonicalToParse', 'keyedToParse', 'recursiveToCanonical']) t.ok(Number.isFinite(body.ratios[ratio]), `${body.name}: ${ratio}`)
+    t.ok(body.parseMs > 0 && body.canonicalMs > 0 && body.keyedMs > 0, `${body.name}: each method timed`)
+    t.equal(body.canonicalToParse, body.canonicalMs / body.parseMs, `${body.name}: its ratio to parsing`)
+    t.equal(body.keyedToParse, body.keyedMs / body.parseMs, `${body.name}: the keyed form's ratio`)
   }
 })
