@@ -1,17 +1,22 @@
+import { describeValue } from './describe-value.js'
+
 /**
  * Thrown by `createIdempotentClient` (or a request) for an option that cannot work, before anything
- * is sent. It names the option and the value received; nothing falls back silently.
+ * is sent. It names the option and describes the value received by its kind, never its content
+ * (describe-value.ts: a base URL or a header value may hold a credential); nothing falls back
+ * silently.
  */
 export class InvalidOptionError extends TypeError {
   readonly code = 'IDEMPOTENCY_CLIENT_INVALID_OPTION'
   readonly option: string
-  readonly received: unknown
+  /** The value refused; not enumerable, so that a logger serializing the error does not write it out. */
+  declare readonly received: unknown
 
   constructor (option: string, expectation: string, received: unknown) {
-    super(`fastify-idempotency/client: ${option} must be ${expectation}; received ${describe(received)}`)
+    super(`fastify-idempotency/client: ${option} must be ${expectation}; received ${describeValue(received)}`)
     this.name = 'InvalidOptionError'
     this.option = option
-    this.received = received
+    Object.defineProperty(this, 'received', { value: received, enumerable: false, writable: false, configurable: true })
   }
 }
 
@@ -80,29 +85,5 @@ export class ResponseTooLargeError extends Error {
     this.limit = details.limit
     this.declaredBytes = details.declaredBytes
     this.receivedBytes = details.receivedBytes
-  }
-}
-
-function describe (value: unknown): string {
-  if (value === null || value === undefined) return String(value)
-  let shown: string
-  if (typeof value === 'string') shown = JSON.stringify(value.length > 80 ? `${value.slice(0, 80)}...` : value)
-  else if (typeof value === 'function') shown = `[Function ${value.name === '' ? '(anonymous)' : value.name}]`
-  else if (typeof value === 'object') shown = (isPlain(value) ? json(value) : undefined) ?? `[object ${value.constructor?.name ?? 'Object'}]`
-  else shown = String(value)
-  return `${shown} (${Array.isArray(value) ? 'array' : typeof value})`
-}
-
-function isPlain (value: object): boolean {
-  const proto: unknown = Object.getPrototypeOf(value)
-  return Array.isArray(value) || proto === Object.prototype || proto === null
-}
-
-function json (value: object): string | undefined {
-  try {
-    const text = JSON.stringify(value)
-    return text === undefined || text.length > 120 ? undefined : text
-  } catch {
-    return undefined
   }
 }

@@ -23,10 +23,22 @@ const PAYMENTS = Number(values.payments)
 const SENDERS = Number(values.senders)
 
 // --- the server: what an application writes -------------------------------------------------
+declare module 'fastify' {
+  interface FastifyRequest { accountId: string }
+}
+
 const app = Fastify()
+// The authentication, here an account id a gateway put in a header. A request without one is
+// refused: giving every such request one shared scope would let them replay or block each other.
+app.decorateRequest('accountId', '')
+app.addHook('onRequest', async (request, reply) => {
+  const accountId = request.headers['x-account-id']
+  if (typeof accountId !== 'string' || accountId === '') return reply.code(401).send({ error: 'unauthenticated' })
+  request.accountId = accountId
+})
 await app.register(idempotency, {
   // Keys belong to the caller: one account cannot replay or block another's payment (draft §5).
-  scope: (request) => String(request.headers['x-account-id'] ?? 'anonymous'),
+  scope: (request) => request.accountId,
   required: true
 })
 

@@ -1,22 +1,31 @@
-import { inspect } from 'node:util'
+import { describeValue } from '../client/describe-value.js'
 
-/** Thrown at registration (or when a route is added) for an option that cannot work. */
+/**
+ * Thrown at registration (or when a route is added) for an option that cannot work, by the plugin
+ * and by every driver. The message names the option and describes the value by its kind
+ * (`received a postgres.js client`, `received a string of 12 characters`; numbers and booleans as
+ * they are), never by its content: option values carry credentials (a client's password, a
+ * connection string, a key), and this message ends up in logs and crash reports.
+ */
 export class InvalidOptionError extends TypeError {
   readonly code = 'FST_IDEMPOTENCY_INVALID_OPTION'
   readonly option: string
-  readonly received: unknown
+  /**
+   * The value refused, for code that handles the error. Not enumerable, so that a logger or crash
+   * reporter that serializes the error's own properties (pino's, Sentry's) does not write it out.
+   */
+  declare readonly received: unknown
 
-  constructor (option: string, expectation: string, received: unknown) {
-    super(`fastify-idempotency: ${option} must be ${expectation}; received ${describe(received)}`)
+  /**
+   * `description` replaces the described kind, for a value the package itself knows to be harmless
+   * to show (a header name from its own lists, a key id it already validated).
+   */
+  constructor (option: string, expectation: string, received: unknown, description: string = describeValue(received)) {
+    super(`fastify-idempotency: ${option} must be ${expectation}; received ${description}`)
     this.name = 'InvalidOptionError'
     this.option = option
-    this.received = received
+    Object.defineProperty(this, 'received', { value: received, enumerable: false, writable: false, configurable: true })
   }
-}
-
-function describe (value: unknown): string {
-  const shown = inspect(value, { depth: 1, breakLength: Infinity, maxStringLength: 80 })
-  return value === null || value === undefined ? shown : `${shown} (${Array.isArray(value) ? 'array' : typeof value})`
 }
 
 /** Raised by a store operation that did not answer within `storeTimeout`. */
@@ -112,5 +121,20 @@ export class EmptyScopeError extends TypeError {
     super('fastify-idempotency: the scope function returned an empty string, which would put every such caller in one shared key space. ' +
       'Return the principal (tenant, account id), or pass allowEmptyScope: true if one shared scope for those callers is meant.')
     this.name = 'EmptyScopeError'
+  }
+}
+
+/**
+ * Fails the boot (`ready()`, `listen()`) when the store's own check (`IdempotencyStore.check`) found
+ * that it cannot serve as it is set up: on PostgreSQL, its tables missing or created by an earlier
+ * version. Without it every protected request would answer 503, and with Fastify's default
+ * `logger: false` nothing would say why.
+ */
+export class StoreNotReadyError extends Error {
+  readonly code = 'FST_IDEMPOTENCY_STORE_NOT_READY'
+
+  constructor (message: string) {
+    super(`fastify-idempotency: ${message}`)
+    this.name = 'StoreNotReadyError'
   }
 }

@@ -14,7 +14,7 @@ import './types.js'
  * import idempotency from 'fastify-idempotency'
  *
  * const app = Fastify()
- * await app.register(idempotency, { scope: (request) => request.headers['x-account-id'] as string })
+ * await app.register(idempotency, { scope: (request) => request.accountId }) // set by your authentication hook
  * app.post('/payments', async () => ({ id: 'pay_1', status: 'succeeded' }))
  */
 const fastifyIdempotency = fp<IdempotencyOptions>(idempotencyPlugin, { fastify: '5.x', name: 'fastify-idempotency' })
@@ -22,7 +22,9 @@ const fastifyIdempotency = fp<IdempotencyOptions>(idempotencyPlugin, { fastify: 
 export default fastifyIdempotency
 export { fastifyIdempotency }
 export { memoryStore, MemoryStoreFullError, type MemoryStore, type MemoryStoreOptions, type MemoryStoreUsage } from '../drivers/memory.js'
-export { EmptyScopeError, InvalidOptionError, LeaseLostError, RolledBackError, StoreTimeoutError, TransactionEndedError, UnprotectedRoutesError } from './errors.js'
+export {
+  EmptyScopeError, InvalidOptionError, LeaseLostError, RolledBackError, StoreNotReadyError, StoreTimeoutError, TransactionEndedError, UnprotectedRoutesError
+} from './errors.js'
 export type { EarlierRoutesPolicy } from './earlier-routes.js'
 export { DEFAULT_REPLAY_HEADERS } from './headers.js'
 export type { IdempotencyContext } from './context.js'

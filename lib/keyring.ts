@@ -1,4 +1,5 @@
 import { createSecretKey, type KeyObject } from 'node:crypto'
+import { describeValue } from '../client/describe-value.js'
 import { InvalidOptionError } from './errors.js'
 
 /** One AES-256 key of the `encryption` option. */
@@ -81,7 +82,8 @@ export function resolveKeyring (value: unknown): Keyring {
       // Described, not shown: a key pasted into the wrong field must not end up in a log.
       throw refuse(`${where}.id`, '1 to 32 characters among A-Z a-z 0-9 _ -', id)
     }
-    if (byId.has(id)) throw new InvalidOptionError(`${where}.id`, 'unique among the keys', id)
+    // An id is a label stored in clear with every sealed record, and it matched KEY_ID: shown as it is.
+    if (byId.has(id)) throw new InvalidOptionError(`${where}.id`, 'unique among the keys', id, `'${id}'`)
     if (!(key instanceof Uint8Array) || key.length !== KEY_BYTES) {
       throw refuse(`${where}.key`, `a Buffer (or Uint8Array) of exactly ${KEY_BYTES} bytes (AES-256)`, key)
     }
@@ -108,22 +110,11 @@ function isPlainObject (value: unknown): value is Record<string, unknown> {
 }
 
 /**
- * An InvalidOptionError whose message and `received` carry a description of the value, never the
- * value itself: whatever sits in this option may be a key (a Buffer, a hex or base64 string).
+ * An InvalidOptionError that keeps only the description of the value, also as its `received`:
+ * whatever sits in this option may be a key (a Buffer, a hex or base64 string), and key material
+ * must not stay reachable from an error object either.
  */
 function refuse (option: string, expectation: string, value: unknown): InvalidOptionError {
-  const received = describeWithoutContent(value)
-  const error = new InvalidOptionError(option, expectation, received)
-  error.message = `fastify-idempotency: ${option} must be ${expectation}; received ${received}`
-  return error
-}
-
-function describeWithoutContent (value: unknown): string {
-  if (value === undefined || value === null || typeof value === 'boolean' || typeof value === 'number') return String(value)
-  if (Buffer.isBuffer(value)) return `a Buffer of ${value.length} bytes`
-  if (value instanceof Uint8Array) return `a ${value.constructor.name} of ${value.length} bytes`
-  if (typeof value === 'string') return `a string of ${value.length} characters`
-  if (Array.isArray(value)) return `an array of ${value.length} items`
-  if (typeof value === 'object') return `an object with properties ${Object.keys(value).join(', ') || '(none)'}`
-  return `a ${typeof value}`
+  const description = describeValue(value)
+  return new InvalidOptionError(option, expectation, description, description)
 }

@@ -264,7 +264,7 @@ const DEFAULT_ROUTE: RouteSettings = Object.freeze({
 export function resolveGlobalOptions (options: IdempotencyOptions): GlobalSettings {
   checkObject('options', options)
   for (const name of Object.keys(options)) {
-    if (!GLOBAL_OPTION_NAMES.has(name)) throw new InvalidOptionError(`option "${name}"`, `one of ${[...GLOBAL_OPTION_NAMES].join(', ')}`, name)
+    if (!GLOBAL_OPTION_NAMES.has(name)) throw new InvalidOptionError(`option "${name}"`, `one of ${[...GLOBAL_OPTION_NAMES].join(', ')}`, (options as Record<string, unknown>)[name])
   }
   const methods = options.methods === undefined
     ? new Set(['POST', 'PATCH'])
@@ -303,7 +303,7 @@ export function resolveRouteConfig (global: GlobalSettings, config: unknown, whe
   checkObject(`${where} config.idempotency`, config)
   for (const name of Object.keys(config)) {
     if (!ROUTE_ONLY.has(name)) {
-      throw new InvalidOptionError(`${where} config.idempotency.${name}`, `one of ${ROUTE_OPTION_NAMES.join(', ')} (or true / false)`, name)
+      throw new InvalidOptionError(`${where} config.idempotency.${name}`, `one of ${ROUTE_OPTION_NAMES.join(', ')} (or true / false)`, (config as Record<string, unknown>)[name])
     }
   }
   return mergeRouteOptions(global.route, config as RouteIdempotencyOptions, `${where} config.idempotency`, global.allowEmptyScope)
@@ -411,14 +411,16 @@ function resolveReplayHeaders (name: string, value: unknown, unsafe: boolean): R
   for (const header of value) {
     if (typeof header !== 'string' || !HEADER_NAME.test(header)) throw new InvalidOptionError(name, 'an array of header names', header)
     const lower = header.toLowerCase()
+    // A name on the plugin's own lists is shown as written: it is one of the plugin's names, not data.
+    const listed = `'${header}'`
     if (NEVER_REPLAYED.has(lower)) {
-      throw new InvalidOptionError(name, `free of headers that are never replayed (${[...NEVER_REPLAYED].join(', ')})`, header)
+      throw new InvalidOptionError(name, `free of headers that are never replayed (${[...NEVER_REPLAYED].join(', ')})`, header, listed)
     }
     if (!unsafe && isSensitiveHeader(lower)) {
       throw new InvalidOptionError(name,
         'free of credential, cookie and security-policy headers (authorization, www-authenticate, authentication-info, cookie, ' +
         'strict-transport-security, content-security-policy, clear-site-data, alt-svc, access-control-*, ...): a replay would hand ' +
-        'the original caller\'s value to whoever retries the key. List it in unsafeReplayHeaders to replay it anyway', header)
+        'the original caller\'s value to whoever retries the key. List it in unsafeReplayHeaders to replay it anyway', header, listed)
     }
     if (unsafe && !isSensitiveHeader(lower)) {
       throw new InvalidOptionError(name, 'only credential, cookie or security-policy headers (an ordinary header belongs in replayHeaders)', header)
@@ -441,7 +443,7 @@ function resolveStatusRoute (value: unknown): StatusRouteSettings | null {
       throw new InvalidOptionError(name, "a path such as '/idempotency-keys/:key', or { url, includeBody }", value)
     }
     for (const member of Object.keys(value)) {
-      if (member !== 'url' && member !== 'includeBody') throw new InvalidOptionError(`option "statusRoute.${member}"`, 'one of url, includeBody', member)
+      if (member !== 'url' && member !== 'includeBody') throw new InvalidOptionError(`option "statusRoute.${member}"`, 'one of url, includeBody', (value as Record<string, unknown>)[member])
     }
     ({ url, includeBody } = value as Record<string, unknown>)
     name = 'option "statusRoute.url"'

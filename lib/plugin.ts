@@ -11,6 +11,7 @@ import { resolveGlobalOptions, resolveRouteConfig, type GlobalSettings, type Ide
 import { buildProblemBodies } from './problems.js'
 import type { IdempotencyPrefilter } from './prefilter.js'
 import { registerStatusRoute } from './status-route.js'
+import { checkStoreWhenReady } from './store-check.js'
 import type { IdempotencyStore } from './store.js'
 import { Waiters } from './waiters.js'
 import { isMemoryStore, memoryStore } from '../drivers/memory.js'
@@ -50,6 +51,7 @@ export const idempotencyPlugin: FastifyPluginCallback<IdempotencyOptions> = func
 
   warnAboutDeployment(fastify, global.route.scope === null, ownsStore || isMemoryStore(store))
   checkEarlierRoutes(fastify, global.methods, global.onEarlierRoutes)
+  checkStoreWhenReady(fastify, store, global.route.storeTimeout)
   fastify.decorateRequest('idempotency', null)
   fastify.decorateRequest(kState, null)
   fastify.addHook('onRoute', function (route) { protectRoute(engine, global, route, this) })
@@ -116,6 +118,10 @@ function checkStore (store: IdempotencyStore): void {
     : [...STORE_METHODS]
   if (missing.length > 0) {
     throw new InvalidOptionError('option "store"', `an IdempotencyStore (missing ${missing.join(', ')})`, store)
+  }
+  const check: unknown = store.check
+  if (check !== undefined && typeof check !== 'function') {
+    throw new InvalidOptionError('option "store".check', 'a function when present (IdempotencyStore.check, called at boot)', check)
   }
 }
 

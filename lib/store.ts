@@ -179,6 +179,22 @@ export interface IdempotencyStore {
   close (): Promise<void>
 
   /**
+   * Optional: tells, before the first request, whether the store can serve as it is set up. The
+   * plugin calls it once per registration when the app boots (Fastify's `onReady`: `ready()`,
+   * `listen()`), bounded by `storeTimeout`, on the object it was given (a wrapper sees the call).
+   * - Resolves: the store is ready.
+   * - Rejects with `StoreNotReadyError`: it cannot serve (the PostgreSQL driver: its tables are
+   *   missing, or lack columns this version needs), and the boot fails with that error, whose
+   *   message says what to do (run `migrate()`). Without this, every protected request would answer
+   *   503 and, with Fastify's default `logger: false`, nothing would say why.
+   * - Rejects with anything else, or does not answer in time: the store could not be checked (the
+   *   database is unreachable at boot). The app boots, with a `FST_IDEMPOTENCY_STORE_UNCHECKED`
+   *   process warning carrying the error's message; requests answer 503 while the store fails.
+   * It must be cheap (a catalog read) and change nothing.
+   */
+  check? (): Promise<void>
+
+  /**
    * Optional (atomic mode, route option `transaction: true`): like `claim`, but an `acquired` record
    * is inserted inside a transaction that stays open, returned as `transaction`, so the handler's
    * writes, the claim and the recorded response commit together or not at all:

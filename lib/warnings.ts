@@ -5,7 +5,8 @@ import type { FastifyInstance } from 'fastify'
 export const WARNING_CODES = Object.freeze({
   unscoped: 'FST_IDEMPOTENCY_UNSCOPED',
   memoryStore: 'FST_IDEMPOTENCY_MEMORY_STORE',
-  unprotectedRoutes: 'FST_IDEMPOTENCY_UNPROTECTED_ROUTES'
+  unprotectedRoutes: 'FST_IDEMPOTENCY_UNPROTECTED_ROUTES',
+  storeUnchecked: 'FST_IDEMPOTENCY_STORE_UNCHECKED'
 } as const)
 
 export type WarningCode = typeof WARNING_CODES[keyof typeof WARNING_CODES]

@@ -3,15 +3,20 @@ import { spawn } from 'node:child_process'
 import { fileURLToPath } from 'node:url'
 import Fastify, { type FastifyInstance } from 'fastify'
 import t, { type Test } from 'tap'
-import idempotency, { memoryStore, UnprotectedRoutesError, type IdempotencyStore } from '../lib/index.js'
+import idempotency, { memoryStore, StoreNotReadyError, UnprotectedRoutesError, type IdempotencyStore } from '../lib/index.js'
 import { keyed } from './helpers/app.js'
 
 /**
- * Issue 13, finding 1: a route the plugin could not hook, or a deployment it cannot protect, must
- * be seen with Fastify's default `logger: false`: a failed boot, or a process warning with a code.
+ * A route the plugin could not hook, a store that cannot serve, or a deployment it cannot protect,
+ * must be seen with Fastify's default `logger: false`: a failed boot, or a process warning with a code.
  */
 
-const CODES = { routes: 'FST_IDEMPOTENCY_UNPROTECTED_ROUTES', unscoped: 'FST_IDEMPOTENCY_UNSCOPED', memory: 'FST_IDEMPOTENCY_MEMORY_STORE' }
+const CODES = {
+  routes: 'FST_IDEMPOTENCY_UNPROTECTED_ROUTES',
+  unscoped: 'FST_IDEMPOTENCY_UNSCOPED',
+  memory: 'FST_IDEMPOTENCY_MEMORY_STORE',
+  unchecked: 'FST_IDEMPOTENCY_STORE_UNCHECKED'
+}
 
 /** Every process warning emitted while the test runs (each app's own: nothing is deduplicated). */
 function warnings (t: Test): () => Promise<Array<Error & { code?: string }>> {
@@ -184,4 +189,30 @@ t.test('the memory store in a cluster worker: a coded warning', { skip: cluster.
   })
   t.equal(out.code, 0, out.stdout)
   t.same(JSON.parse(out.stdout), { primary: [], worker: [CODES.memory] }, 'the worker warns, the primary (a single process) does not')
+})
+
+t.test("the store's check(): StoreNotReadyError fails the boot; any other failure boots with a coded warning; no check, nothing", async (t) => {
+  const seen = warnings(t)
+  const base = memoryStore({ purgeInterval: 0 })
+  t.teardown(() => base.close())
+  const boot = async (store: IdempotencyStore): Promise<unknown> => {
+    const instance = app(t)
+    await instance.register(idempotency, { scope: () => 'acct', store })
+    return await instance.ready().then(() => null, (err: unknown) => err)
+  }
+
+  let checks = 0
+  const notReady = await boot({ ...base, check: async () => { checks++; throw new StoreNotReadyError('the tables are missing: run migrate() before serving') } })
+  t.type(notReady, StoreNotReadyError, 'ready() rejects with the store\'s error')
+  t.match(notReady, { code: 'FST_IDEMPOTENCY_STORE_NOT_READY', message: 'fastify-idempotency: the tables are missing: run migrate() before serving' })
+  t.equal(checks, 1, 'checked once')
+
+  t.equal(await boot({ ...base, check: async () => { throw new Error('connect ECONNREFUSED 127.0.0.1:5432') } }), null, 'an unreachable store does not stop the boot')
+  const unchecked = (await seen()).filter((w) => w.code === CODES.unchecked)
+  t.equal(unchecked.length, 1, 'one coded warning')
+  t.match(unchecked[0]?.message, /the store could not be checked at boot \(connect ECONNREFUSED 127\.0\.0\.1:5432\)/)
+
+  t.equal(await boot({ ...base, check: async () => {} }), null, 'a check that resolves: the app boots')
+  t.equal(await boot(base), null, 'a store without check() (the memory store): the app boots')
+  t.equal(withCode(await seen(), CODES.unchecked), 1, 'and neither warns')
 })

@@ -6,13 +6,15 @@ import Fastify from 'fastify'
 import postgres from 'postgres'
 import t, { type Test } from 'tap'
 import idempotency from '../lib/index.js'
-import { consumerProject, tsc, tsconfig } from './helpers/consumer.js'
+import { tsc, tsconfig } from './helpers/consumer.js'
 import { anchors, codeBlocks, links, markdownPages, REPOSITORY, ROOT, type CodeBlock } from './helpers/markdown.js'
+import { documentedPackages, installedBy, packedApp } from './helpers/packed-app.js'
 
 /**
- * Issue 13, findings 3, 4 and 6: every documented example compiles against the built package as a
- * user's project imports it, the quick start runs, links resolve, and the README says true things
- * about the options.
+ * The documentation as a reader meets it: every TypeScript example compiles in an app that has the
+ * packed package and only the packages the install lines name, the quick start runs as written
+ * from its own commands, links resolve in the repository and in the installed package, and the
+ * README says true things about the options.
  */
 
 const TS = new Set(['ts', 'typescript'])
@@ -31,38 +33,65 @@ const ORM_MODULES = path.join(ROOT, 'test', 'orm', 'node_modules')
  */
 const declaresClient = (block: CodeBlock): boolean => /\binterface AtomicTransactionTypes\b/.test(block.code)
 
-t.test('every TypeScript block of README.md and docs/ type-checks against the built package, each as its own file', async (t) => {
+/** The README's quick start: its commands (```sh) and its app (```ts). */
+function quickStart (): { commands: string[][], packages: string[], app: CodeBlock | undefined } {
+  const section = codeBlocks('README.md').filter((b) => b.section === 'Quick start')
+  const lines = (section.find((b) => b.lang === 'sh')?.code ?? '').split('\n').map((line) => line.replace(/#.*$/, '').trim()).filter((line) => line !== '')
+  return {
+    // What a reader types before installing: `npm init -y`, `npm pkg set type=module`.
+    commands: lines.filter((line) => /^npm (init|pkg)\b/.test(line)).map((line) => line.split(/\s+/)),
+    packages: installedBy(section),
+    app: section.find((b) => TS.has(b.lang))
+  }
+}
+
+t.test('the install lines name what the examples need', async (t) => {
+  const named = documentedPackages()
+  for (const name of ['fastify', 'fastify-idempotency', 'tsx', 'typescript', '@types/node', 'postgres', 'pg', '@types/pg', '@fastify/postgres', 'ioredis']) {
+    t.ok(named.includes(name), `an install line names ${name}`)
+  }
+  const start = quickStart()
+  t.same(start.commands, [['npm', 'init', '-y'], ['npm', 'pkg', 'set', 'type=module']], 'the quick start makes the package an ES module, for its top-level await')
+  for (const name of ['fastify', 'fastify-idempotency', 'tsx']) t.ok(start.packages.includes(name), `the quick start installs ${name}`)
+})
+
+t.test('every TypeScript block of README.md and docs/ type-checks in an app with the packed package and the packages the docs install', async (t) => {
   const checked = blocks.filter((b) => !b.fragment)
   t.ok(checked.length >= 15, `${checked.length} blocks are checked`)
   t.ok(blocks.length - checked.length <= 3, `few blocks are marked <!-- fragment --> (${blocks.length - checked.length})`)
   t.ok(existsSync(path.join(ORM_MODULES, 'drizzle-orm')), 'test/orm/node_modules holds drizzle-orm (scripts/test.mjs runs npm ci there)')
   const programs = [checked.filter((b) => !declaresClient(b)), checked.filter(declaresClient)]
   t.ok((programs[1]?.length ?? 0) >= 3, `${programs[1]?.length} blocks are apps on node-postgres (AtomicTransactionTypes declared)`)
-  await Promise.all(programs.map(async (group) => {
-    const files: Record<string, string> = {}
-    const origin = new Map<string, CodeBlock>()
-    group.forEach((block) => {
-      const name = fileOf(block, checked.indexOf(block))
+  const files: Record<string, string> = {}
+  const origin = new Map<string, CodeBlock>()
+  programs.forEach((group, program) => {
+    for (const block of group) {
+      const name = `p${program}/${fileOf(block, checked.indexOf(block))}`
       files[name] = `${block.code}\nexport {}\n` // a module: its declarations are its own, top-level await works
       origin.set(name, block)
-    })
-    files['tsconfig.json'] = tsconfig({ module: 'nodenext', moduleResolution: 'nodenext' }, ['*.ts'])
-    files['package.json'] = '{ "type": "module" }' // an ESM app, as the examples are written
-    const dir = consumerProject(t, files, [], [ORM_MODULES])
-    const result = await tsc(dir) // one compiler run for all blocks of the program
+    }
+    files[`p${program}/tsconfig.json`] = tsconfig({ module: 'nodenext', moduleResolution: 'nodenext' }, ['*.ts'])
+  })
+  const dir = await packedApp(t, { files, packages: documentedPackages(), commands: quickStart().commands, alsoFrom: [ORM_MODULES] })
+  // One compiler run per program, both at once.
+  const results = await Promise.all(programs.map(async (_group, program) => await tsc(dir, `p${program}/tsconfig.json`)))
+  results.forEach((result, program) => {
     const errors = result.out.split('\n').filter((line) => /error TS\d+/.test(line)).map((line) => {
       const m = /^([^(]+)\((\d+),(\d+)\): (.*)$/.exec(line)
       const block = m === null ? undefined : origin.get(m[1] ?? '')
       return block === undefined || m === null ? line : `${block.page}:${block.line + Number(m[2]) - 1}: ${m[4] ?? ''}`
     })
-    t.same(errors, [], 'no type errors')
+    t.same(errors, [], `program ${program}: no type errors`)
     t.equal(result.code, 0, result.out.slice(0, 2000))
-  }))
+  })
 })
 
-/** Runs a README block as an app (`npx tsx app.ts` in a project that installed the package); resolves to the URL it prints. */
-async function runApp (t: Test, block: CodeBlock, env: NodeJS.ProcessEnv = {}): Promise<string> {
-  const dir = consumerProject(t, { 'app.ts': block.code, 'package.json': '{ "type": "module" }' })
+/**
+ * Runs a README block as the quick start says: an app made with its commands, the packed package
+ * and `packages` installed, `tsx app.ts`. Resolves to the URL it prints.
+ */
+async function runApp (t: Test, block: CodeBlock, packages: readonly string[], env: NodeJS.ProcessEnv = {}): Promise<string> {
+  const dir = await packedApp(t, { files: { 'app.ts': block.code }, packages, commands: quickStart().commands })
   const child = spawn(process.execPath, ['--import', 'tsx', 'app.ts'], { cwd: dir, env: { ...process.env, PORT: '0', ...env }, stdio: ['ignore', 'pipe', 'pipe'] })
   t.teardown(() => { child.kill() })
   let output = ''
@@ -80,9 +109,9 @@ async function runApp (t: Test, block: CodeBlock, env: NodeJS.ProcessEnv = {}): 
 }
 
 t.test('the quick start runs as written: authenticated, scoped, replayed', async (t) => {
-  const block = blocks.find((b) => b.page === 'README.md' && b.section === 'Quick start')
+  const { app: block, packages } = quickStart()
   if (block === undefined) return t.fail('README.md has a ```ts block under ## Quick start')
-  const url = await runApp(t, block)
+  const url = await runApp(t, block, packages) // only what the quick start installs
   const pay = (token: string | null, key: string | null): Promise<Response> => fetch(`${url}/payments`, {
     method: 'POST',
     headers: {
@@ -115,6 +144,10 @@ t.test('the @fastify/postgres example runs as written: atomic mode on fastify.pg
   if (databaseUrl === undefined || databaseUrl === '') return t.fail('DATABASE_URL is not set: run it through scripts/test.mjs')
   const block = blocks.find((b) => b.page === 'README.md' && b.section === 'PostgreSQL: postgres.js or node-postgres')
   if (block === undefined) return t.fail('README.md has a ```ts block under ## PostgreSQL: postgres.js or node-postgres')
+  // What the quick start installs, and the section's install line for this app (its first: node-postgres).
+  const install = codeBlocks('README.md').find((b) => b.section === block.section && b.lang === 'sh')
+  const packages = [...quickStart().packages, ...installedBy(install === undefined ? [] : [{ ...install, code: install.code.split('\n')[0] ?? '' }])]
+  t.ok(packages.includes('@fastify/postgres') && packages.includes('pg'), `the section installs what the app imports (${packages.join(' ')})`)
   // The block's payments table, in a schema of this test's own (found through search_path); the
   // store's table is the default public.idempotency_records, as the block has it.
   const schema = `idem_readme_${randomBytes(4).toString('hex')}`
@@ -125,11 +158,11 @@ t.test('the @fastify/postgres example runs as written: atomic mode on fastify.pg
   })
   await admin`CREATE SCHEMA ${admin(schema)}`
   await admin`CREATE TABLE ${admin(schema)}.payments (id serial PRIMARY KEY, amount integer NOT NULL)`
-  const url = await runApp(t, block, { PGOPTIONS: `-c search_path=${schema}` })
+  const url = await runApp(t, block, packages, { PGOPTIONS: `-c search_path=${schema}` })
 
-  const pay = (key: string, amount: number | null): Promise<Response> => fetch(`${url}/payments`, {
+  const pay = (key: string, amount: number | null, account: string | null = 'acct_readme'): Promise<Response> => fetch(`${url}/payments`, {
     method: 'POST',
-    headers: { 'content-type': 'application/json', 'x-account-id': 'acct_readme', 'idempotency-key': `"${key}"` },
+    headers: { 'content-type': 'application/json', ...(account === null ? {} : { 'x-account-id': account }), 'idempotency-key': `"${key}"` },
     body: JSON.stringify({ amount })
   })
   const payments = async (): Promise<number[]> => (await admin`SELECT amount FROM ${admin(schema)}.payments ORDER BY id`).map((row) => Number(row.amount))
@@ -157,6 +190,10 @@ t.test('the @fastify/postgres example runs as written: atomic mode on fastify.pg
   t.equal(retry.status, 201, 'the key runs afresh')
   t.equal(retry.headers.get('idempotent-replayed'), null)
   t.same(await payments(), [1000, 5])
+
+  const anonymous = await pay(`readme-${randomBytes(6).toString('hex')}`, 7, null)
+  t.equal(anonymous.status, 401, 'a request without an account is refused, not given a shared scope')
+  t.same(await payments(), [1000, 5], 'and runs nothing')
 })
 
 t.test('relative links resolve to files, and anchors to headings; absolute links into the repository use its URL', async (t) => {
@@ -179,6 +216,36 @@ t.test('relative links resolve to files, and anchors to headings; absolute links
     .map((m) => m[1] ?? '').filter((name) => !existsSync(path.join(ROOT, name)) && !existsSync(path.join(ROOT, 'docs', name)))
     .map((name) => `${page}: ${name}`))
   t.same(named, [], 'every page named in code text exists')
+})
+
+/** The repository's own folders: in the installed package (which ships docs/, not these) a path into one leads nowhere. */
+const REPOSITORY_PATH = /(?<![\w./@-])(?:examples|test|benchmarks|scripts|lib|drivers|client|conformance|\.ci)\/[\w./-]*/g
+const IN_REPOSITORY = new RegExp(`^${REPOSITORY.replace(/[.]/g, '\\.')}/(?:blob|tree)/main/(.+)$`)
+
+t.test('no page names a repository file outside an https link to it, and every such link names a file of the checkout', async (t) => {
+  const bare: string[] = []
+  const broken: string[] = []
+  let linked = 0
+  for (const page of markdownPages()) {
+    const text = readFileSync(path.join(ROOT, page), 'utf8')
+    // A fenced block that clones the repository runs in a clone, where its paths exist.
+    const outsideClones = text.replace(/^([ \t]*)```[^\n]*\n[\s\S]*?^\1```[ \t]*$/gm, (block) => block.includes(`git clone ${REPOSITORY}`) ? block.replace(/[^\n]/g, '') : block)
+    for (const [i, line] of outsideClones.split('\n').entries()) {
+      for (const m of line.matchAll(/\[[^\]]*\]\((https:[^)\s]+)\)|<(https:[^>\s]+)>|(https:\/\/[^\s)>\]`]+)/g)) {
+        const url = m[1] ?? m[2] ?? m[3] ?? ''
+        const file = IN_REPOSITORY.exec(url.split('#')[0] ?? '')?.[1]
+        if (file === undefined) continue
+        linked++
+        if (!existsSync(path.join(ROOT, decodeURIComponent(file)))) broken.push(`${page}: ${url}`)
+      }
+      // Link text and target included: an https link is how a page names a repository file.
+      const prose = line.replace(/\[[^\]]*\]\(https:[^)\s]+\)|<https:[^>\s]+>|https:\/\/[^\s)>\]`]+/g, '')
+      for (const m of prose.matchAll(REPOSITORY_PATH)) bare.push(`${page}:${i + 1}: ${m[0]}`)
+    }
+  }
+  t.same(bare, [], `a repository path is an https link to it (${REPOSITORY}/blob/main/<path>), or sits in a block that clones the repository`)
+  t.same(broken, [], 'every https link into the repository names a file that exists')
+  t.ok(linked >= 10, `${linked} links into the repository are checked`)
 })
 
 t.test('the README names every option, and exactly the ones that cannot be set per route', async (t) => {

@@ -2,8 +2,8 @@ import t from 'tap'
 import { consumerProject, run, tsc, tsconfig } from './helpers/consumer.js'
 
 /**
- * Issue 13, finding 7: the package is ESM-only, and what the README says about CommonJS and
- * TypeScript consumers holds on the Node running the tests.
+ * The package is ESM-only, and what the README says about CommonJS and TypeScript consumers holds
+ * on the Node running the tests.
  */
 
 const ESM_CONSUMER = `import Fastify from 'fastify'

@@ -5,8 +5,9 @@ import { buildApp, keyed, manualClock, PROBLEM_TYPE } from './helpers/app.js'
 
 /*
  * Options are validated once, at registration (global) or when a route is added (route config); a
- * bad value is an InvalidOptionError naming the option and showing the value received, never a
- * silent fallback. Valid route overrides take effect on their route only.
+ * bad value is an InvalidOptionError naming the option and describing the value received (a number
+ * or boolean as it is, anything else by its kind: test/option-errors.test.ts), never a silent
+ * fallback. Valid route overrides take effect on their route only.
  */
 
 const CODE = 'FST_IDEMPOTENCY_INVALID_OPTION'
@@ -37,29 +38,30 @@ async function rejectsInvalid (t: Test, thenable: PromiseLike<unknown>, fragment
 }
 
 const BAD_GLOBAL: ReadonlyArray<readonly [string, Record<string, unknown>, readonly string[]]> = [
-  ['ttl is not a number', { ttl: 'abc' }, ['"ttl"', "'abc'"]],
+  ['ttl is not a number', { ttl: 'abc' }, ['"ttl"', 'received a string of 3 characters']],
   ['ttl is 0', { ttl: 0 }, ['"ttl"', 'received 0']],
   ['lease is negative', { lease: -1 }, ['"lease"', '-1']],
   ['lease is longer than ttl', { ttl: 1000, lease: 2000 }, ['"lease"', '2000']],
   ['wait is not an integer', { wait: 1.5 }, ['"wait"', '1.5']],
   ['maxKeyLength is 0', { maxKeyLength: 0 }, ['"maxKeyLength"', 'received 0']],
-  ['keyFormat is unknown', { keyFormat: 'loose' }, ['"keyFormat"', "'loose'"]],
-  ['fingerprint is unknown', { fingerprint: 'sha1' }, ['"fingerprint"', "'sha1'"]],
-  ['record is not a function', { record: 'yes' }, ['"record"', "'yes'"]],
-  ['scope is not a function', { scope: 'tenant' }, ['"scope"', "'tenant'"]],
-  ['required is a string', { required: 'true' }, ['"required"', "'true'"]],
-  ['methods is empty', { methods: [] }, ['"methods"', '[]']],
-  ['methods holds an unknown method', { methods: ['FETCH'] }, ['"methods"', "'FETCH'"]],
-  ['methods is a string', { methods: 'POST' }, ['"methods"', "'POST'"]],
+  ['keyFormat is unknown', { keyFormat: 'loose' }, ['"keyFormat"', "one of 'lenient', 'strict'; received a string of 5 characters"]],
+  ['fingerprint is unknown', { fingerprint: 'sha1' }, ['"fingerprint"', 'received a string of 4 characters']],
+  ['record is not a function', { record: 'yes' }, ['"record"', 'a function; received a string of 3 characters']],
+  ['scope is not a function', { scope: 'tenant' }, ['"scope"', 'a function; received a string of 6 characters']],
+  ['required is a string', { required: 'true' }, ['"required"', 'true or false; received a string of 4 characters']],
+  ['methods is empty', { methods: [] }, ['"methods"', 'received an array of 0 items']],
+  ['methods holds an unknown method', { methods: ['FETCH'] }, ['"methods"', 'received a string of 5 characters']],
+  ['methods is a string', { methods: 'POST' }, ['"methods"', 'received a string of 4 characters']],
   ['replayHeaders holds set-cookie', { replayHeaders: ['set-cookie'] }, ['"replayHeaders"', "'set-cookie'"]],
-  ['replayHeaders is a string', { replayHeaders: 'content-type' }, ['"replayHeaders"', "'content-type'"]],
-  ['onStoreError is unknown', { onStoreError: 'ignore' }, ['"onStoreError"', "'ignore'"]],
+  ['replayHeaders is a string', { replayHeaders: 'content-type' }, ['"replayHeaders"', 'an array of header names; received a string of 12 characters']],
+  ['onStoreError is unknown', { onStoreError: 'ignore' }, ['"onStoreError"', 'received a string of 6 characters']],
   ['storeTimeout is 0', { storeTimeout: 0 }, ['"storeTimeout"', 'received 0']],
   ['retryAfter is negative', { retryAfter: -1 }, ['"retryAfter"', '-1']],
-  ['problemTypeBase is not a URI', { problemTypeBase: 'not a uri' }, ['"problemTypeBase"', "'not a uri'"]],
-  ['docsUrl is not http(s)', { docsUrl: 'ftp://x' }, ['"docsUrl"', "'ftp://x'"]],
-  ['store lacks every method', { store: {} }, ['"store"', 'claim', 'complete', 'release', 'renew', 'get', 'purgeExpired', 'close']],
-  ['an option name is misspelt', { ttL: 1000 }, ['ttL']]
+  ['problemTypeBase is not a URI', { problemTypeBase: 'not a uri' }, ['"problemTypeBase"', 'received a string of 9 characters']],
+  ['docsUrl is not http(s)', { docsUrl: 'ftp://x' }, ['"docsUrl"', 'received a string of 7 characters']],
+  ['store lacks every method', { store: {} }, ['"store"', 'claim', 'complete', 'release', 'renew', 'get', 'purgeExpired', 'close', 'received an object with no properties']],
+  ['the store\'s optional check is not a function', { store: { ...memoryStore({ purgeInterval: 0 }), check: 'yes' } }, ['option "store".check must be a function when present', 'received a string of 3 characters']],
+  ['an option name is misspelt', { ttL: 1000 }, ['option "ttL" must be one of', 'received 1000']]
 ]
 
 for (const [what, options, fragments] of BAD_GLOBAL) {
@@ -126,8 +128,8 @@ const BAD_ROUTE: ReadonlyArray<readonly [string, unknown, readonly string[]]> = 
   ['a negative ttl', { ttl: -5 }, ['route POST /x config.idempotency.ttl', '-5']],
   ['a store (not a route option)', { store: memoryStore({ purgeInterval: 0 }) }, ['route POST /x config.idempotency.store']],
   ['methods (not a route option)', { methods: ['PUT'] }, ['route POST /x config.idempotency.methods']],
-  ['a string', 'yes', ['route POST /x config.idempotency', "'yes'"]],
-  ['an unknown keyFormat', { keyFormat: 'loose' }, ['route POST /x config.idempotency.keyFormat', "'loose'"]],
+  ['a string', 'yes', ['route POST /x config.idempotency', 'received a string of 3 characters']],
+  ['an unknown keyFormat', { keyFormat: 'loose' }, ['route POST /x config.idempotency.keyFormat', 'received a string of 5 characters']],
   ['a lease longer than its ttl', { ttl: 1000, lease: 2000 }, ['route POST /x config.idempotency.lease', '2000']]
 ]
 

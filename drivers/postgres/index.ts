@@ -4,6 +4,9 @@
  * (`postgresStore({ sql })`) or node-postgres (`postgresStore({ pool })`, also `fastify.pg.pool`).
  */
 import type { TransactionSql } from 'postgres'
+// The plugin's types for Fastify (`request.idempotency`, `config.idempotency`): a file that imports
+// only this entry point sees them too.
+import '../../lib/types.js'
 
 export { postgresStore, type PostgresStore } from './store.js'
 export { migrate } from './schema.js'

@@ -100,7 +100,7 @@ export function resolveStoreOptions (options: PostgresStoreOptions): ResolvedSto
   }
   const pool = options.pool === undefined ? null : resolvePool('postgresStore option "pool"', options.pool)
   if (pool !== null && options.sql !== undefined) {
-    throw new InvalidOptionError('postgresStore options', 'either { sql } (postgres.js) or { pool } (node-postgres), not both', Object.keys(options))
+    throw new InvalidOptionError('postgresStore options', 'either { sql } (postgres.js) or { pool } (node-postgres), not both', options)
   }
   return Object.freeze({
     db: pool === null ? postgresJsClient(resolveClient('postgresStore option "sql"', options.sql)) : nodePostgresClient(pool),

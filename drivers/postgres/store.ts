@@ -10,6 +10,7 @@ import { resolveStoreOptions, type BackgroundTask, type PostgresStoreOptions } f
 import { createOutbox, type DeliveryReport } from './outbox.js'
 import { createRecovery } from './recovery.js'
 import { migrateOn } from './schema.js'
+import { checkSchema } from './schema-check.js'
 import { createStatements, type ExistingRecord } from './statements.js'
 import { createTransactions } from './transaction.js'
 
@@ -17,6 +18,11 @@ import { createTransactions } from './transaction.js'
 export interface PostgresStore extends IdempotencyStore, RecoveryTools {
   /** Creates the schema, table and index when missing (see {@link migrate}); safe to call at every boot. */
   migrate (): Promise<void>
+  /**
+   * Rejects with `StoreNotReadyError` when the tables are missing or lack columns this version uses
+   * (run `migrate()`); one catalog read. The plugin calls it when the app boots.
+   */
+  check (): Promise<void>
   /** Atomic mode (route option `transaction: true`); see transaction.ts. */
   claimInTransaction (request: ClaimRequest & { readonly waitMs: number }): Promise<ClaimResult>
   /** Transactions held open by atomic-mode requests in flight; 0 when idle means no connection leaked. */
@@ -71,7 +77,7 @@ const UUID = /^[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}$/i
  * const sql = postgres(process.env.DATABASE_URL)
  * const store = postgresStore({ sql })
  * await store.migrate()
- * await app.register(idempotency, { store, scope: (request) => request.headers['x-account-id'] as string })
+ * await app.register(idempotency, { store, scope: (request) => request.accountId }) // set by your authentication hook
  * // store.close() first (it waits for a background purge in flight), then your client. A timeout,
  * // because postgres.js 3.4.9's end() never resolves after a connection died mid-query
  * // (porsager/postgres#1097).
@@ -113,7 +119,7 @@ export function postgresStore (options: PostgresStoreOptions): PostgresStore {
 
   /**
    * Up to `limit` records, in statements of at most `purgeBatch` each, until one deletes nothing.
-   * Not "until a batch comes back short" (citus-notes 3): a batch also comes back short when a
+   * Not "until a batch comes back short": a batch also comes back short when a
    * record it picked was reclaimed meanwhile, while more expired records remain.
    */
   async function purge (limit: number): Promise<number> {
@@ -281,6 +287,8 @@ export function postgresStore (options: PostgresStoreOptions): PostgresStore {
     async migrate (): Promise<void> {
       await migrateOn(db, settings)
     },
+
+    check: async () => { await checkSchema(db, settings, outbox !== null) },
 
     // Waits for a background purge in flight, so nothing of the store's runs on the client after
     // close() resolves (the caller may end its client right after).
