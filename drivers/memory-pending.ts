@@ -11,7 +11,7 @@ import { hashKey } from './memory-table.js'
  * lives there: about 150 bytes of old-generation garbage per request, measured with a young
  * generation large enough that nothing was promoted. At 17,000 fresh keys a second that was some
  * 2.5 MB a second for full mark-compacts to collect (5–12 ms pauses each, about every second, where
- * bare Fastify ran none; docs/benchmarks.md, "The memory store's tail"). Here the entries sit in
+ * bare Fastify ran none). Here the entries sit in
  * arrays that are written in place: adding and removing allocate nothing until the arrays grow or
  * shrink.
  *

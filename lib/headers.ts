@@ -35,7 +35,7 @@ export const NEVER_REPLAYED: ReadonlySet<string> = new Set([
 ])
 
 /**
- * Refused in `replayHeaders` (issue 16, finding 9): a recorded header goes to whoever replays the
+ * Refused in `replayHeaders`: a recorded header goes to whoever replays the
  * key, so these would hand one client's credentials or session to another, or replay a policy the
  * server computes per request, per origin and per moment as if it still held. `unsafeReplayHeaders`
  * forces one by name, for an app that knows its value is the same for every caller of the key.
@@ -86,7 +86,7 @@ export function isSensitiveHeader (name: string): boolean {
  * Picks the replayable headers out of the response headers (names are already lower case). An
  * array is copied: the reply's own array stays the reply's, so a hook that later appends to it in
  * place (onSend, onResponse), or a handler that reuses a module-level array, cannot rewrite what
- * was recorded (issue 16, finding 2).
+ * was recorded.
  */
 export function pickReplayHeaders (
   headers: Readonly<Record<string, string | number | string[] | undefined>>,

@@ -5,8 +5,8 @@ import { InvalidOptionError } from './errors.js'
 /**
  * Every decision the plugin takes about a key, in one place: a log line (built only when its level
  * is enabled), an event on a diagnostics channel (built only when someone subscribes) and the
- * metrics of an OpenTelemetry-compatible meter (only when one is configured). The seeds name the 409
- * and 422 rates as the operational signals: a rising 409 rate means clients retry while originals
+ * metrics of an OpenTelemetry-compatible meter (only when one is configured). The 409 and 422 rates
+ * are the operational signals: a rising 409 rate means clients retry while originals
  * still run (too short a client timeout, a slow handler); a rising 422 rate means clients reuse keys
  * across different operations (a client bug that this contract exists to surface).
  */

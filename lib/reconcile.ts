@@ -6,7 +6,7 @@ import type { Fingerprint, Lease, RecordId, StepResults, StoredResponse } from '
 import { callbackOption, integerOption, MAX_TIMER_MS } from './validate.js'
 
 /**
- * Reconciliation: the seeds' answer to effects that cannot share the store's transaction. A record
+ * Reconciliation: the answer to effects that cannot share the store's transaction. A record
  * left in progress (its owner crashed and no client retried, or the handler declared an
  * indeterminate failure) is handed to a user callback that checks the outside world, typically by
  * asking the provider about the derived keys the handler used, and decides its final state.

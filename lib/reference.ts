@@ -3,7 +3,7 @@ import { replyValue } from './headers.js'
 import type { StoredResponse } from './store.js'
 
 /*
- * Responses by reference. Recording every response body is a cost that surprises people (seeds: a
+ * Responses by reference. Recording every response body is a cost that surprises people (a
  * payments API keeps a day of full responses): a route can record a small reference to the created
  * resource instead, and rebuild the response from the resource's current state on replay. The
  * trade-off is the route's to make: a replay then shows the resource as it is now, not byte for byte

@@ -6,8 +6,8 @@ import type { DatabaseClient, Value } from './client.js'
 import { asDate } from './dates.js'
 
 /*
- * The transactional outbox (seeds: "record the operation first, make the external call carry its
- * own idempotency identifier"). A message is inserted by the same transaction as the handler's
+ * The transactional outbox: record the operation first, make the external call carry its own
+ * idempotency identifier. A message is inserted by the same transaction as the handler's
  * writes (atomic mode, or a transactional step), so it exists if and only if they committed; it is
  * delivered after the commit, carrying the key derived from (scope, key, name), and marked
  * delivered. A crash between commit and delivery leaves it due: the worker delivers it later. A

@@ -63,9 +63,8 @@ const LOCK_TIMEOUT = '55P03'
  * - Otherwise, when the bound is shorter than MOMENTARY_LOCK_MS (without `wait` it is 1 ms), the
  *   claim is tried once more, in a new transaction bounded by MOMENTARY_LOCK_MS. A duplicate in
  *   flight elsewhere is still there then (or has committed, and is replayed); a momentary lock has
- *   gone. A second try with the same 1 ms bound was not enough: a CI run answered 409 to 2 of 30
- *   fresh keys on a busy machine, each claim having timed out twice on a lock that was not a
- *   duplicate's.
+ *   gone. A second try with the same 1 ms bound is not enough: on a busy machine a claim can time
+ *   out twice on a lock that is not a duplicate's.
  * A longer bound already outlasts such a moment, and is not tried again.
  */
 const LOCK_TIMEOUT_RETRIES = 1

@@ -11,8 +11,8 @@ export type Enqueue = <T>(command: (redis: ScriptedCommands, done: Done<T>) => u
 
 /**
  * Commands sent together, once per event-loop turn, as one pipeline: one write to the socket instead
- * of one per command. A `--cpu-prof` of the benchmark server (docs/benchmarks.md) put most of a
- * Redis command's cost on the client in that write (the loopback delivers to Redis inside the
+ * of one per command. Most of a Redis command's cost on a loopback connection is on the client, in
+ * that write (the loopback delivers to Redis inside the
  * writer's system call), and Redis spends less per command when it reads several per wake-up; the
  * requests of one turn share both.
  *
