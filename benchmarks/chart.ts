@@ -11,8 +11,17 @@ import { readSummary, SUMMARY, type LoadSection } from './summary-file.js'
 export const DOCS_CHART = fileURLToPath(new URL('../docs/benchmarks-chart.svg', import.meta.url))
 
 const COLOURS: Record<string, string> = {
-  bare: '#9e9e9e', memory: '#1f77b4', 'peer-memory': '#aec7e8', 'pg-lease': '#2ca02c', 'pg-atomic': '#98df8a', 'pg-redis': '#d62728',
-  'pg-redis-unpipelined': '#f4a582', 'peer-redis': '#ff9896', 'floor-sql': '#7f7f7f', 'floor-select': '#bcbd22', 'floor-txn': '#8c564b'
+  bare: '#9e9e9e',
+  memory: '#1f77b4',
+  'peer-memory': '#aec7e8',
+  'pg-lease': '#2ca02c',
+  'pg-atomic': '#98df8a',
+  'pg-redis': '#d62728',
+  'pg-redis-unpipelined': '#f4a582',
+  'peer-redis': '#ff9896',
+  'floor-sql': '#7f7f7f',
+  'floor-select': '#bcbd22',
+  'floor-txn': '#8c564b'
 }
 
 const escapeXml = (text: string): string => text.replace(/[<>&"]/g, (c) => ({ '<': '&lt;', '>': '&gt;', '&': '&amp;', '"': '&quot;' })[c]!)

@@ -29,7 +29,12 @@ interface Setup { name: 'full' | 'ref', app: FastifyInstance, store: PostgresSto
 
 /** A realistic payment: line items, addresses, metadata. */
 const payment = (id: string, amount: number): Record<string, unknown> => ({
-  id, object: 'payment', amount, currency: 'eur', status: 'succeeded', created: 1_764_460_800,
+  id,
+  object: 'payment',
+  amount,
+  currency: 'eur',
+  status: 'succeeded',
+  created: 1_764_460_800,
   customer: { id: 'cus_8e03978e40d5', email: 'buyer@example.com', name: 'Ada Lovelace' },
   shipping: { line1: '12 Analytical Row', city: 'London', postal_code: 'EC1A 1BB', country: 'GB' },
   items: Array.from({ length: 12 }, (_, i) => ({ sku: `SKU-${1000 + i}`, description: `Difference engine part #${i}`, quantity: 1 + (i % 3), unit_amount: 1250 + i * 10 })),

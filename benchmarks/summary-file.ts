@@ -42,7 +42,10 @@ export interface MemorySection { node: string, bodyBytes: number, fill: MemoryFi
 
 export interface ClaimFormFigures { claimsPerSecond: number, toCte: number, pgCpuUsPerClaim: number | null }
 export interface ClaimFormsSection {
-  postgres: string, rounds: number, claims: number, concurrency: number
+  postgres: string,
+  rounds: number,
+  claims: number,
+  concurrency: number
   paths: { fresh: Record<string, ClaimFormFigures>, duplicate: Record<string, ClaimFormFigures> }
   walBytesPerDuplicate: Record<string, number>
 }

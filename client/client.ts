@@ -106,8 +106,14 @@ async function send (options: ResolvedClientOptions, rawMethod: string, path: st
     if (outcome.kind === 'too-large') {
       const { response, declaredBytes, receivedBytes } = outcome
       throw new ResponseTooLargeError(what, {
-        key, attempts, status: response.status, headers: response.headers, replayed: isReplay(response.headers),
-        limit: options.maxResponseBytes, declaredBytes, receivedBytes
+        key,
+        attempts,
+        status: response.status,
+        headers: response.headers,
+        replayed: isReplay(response.headers),
+        limit: options.maxResponseBytes,
+        declaredBytes,
+        receivedBytes
       })
     }
     throw new NoAnswerError(what, key, attempts, reason, outcome.error)

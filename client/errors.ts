@@ -71,8 +71,14 @@ export class ResponseTooLargeError extends Error {
   readonly receivedBytes: number
 
   constructor (what: string, details: {
-    key: string | null, attempts: number, status: number, headers: Headers, replayed: boolean,
-    limit: number, declaredBytes: number | null, receivedBytes: number
+    key: string | null,
+    attempts: number,
+    status: number,
+    headers: Headers,
+    replayed: boolean,
+    limit: number,
+    declaredBytes: number | null,
+    receivedBytes: number
   }) {
     const size = details.declaredBytes !== null ? `Content-Length ${details.declaredBytes}` : `more than ${details.limit} bytes arrived`
     super(`fastify-idempotency/client: the ${details.status} answer to ${what} exceeds maxResponseBytes (${details.limit}): ${size}`)

@@ -186,7 +186,8 @@ export function headerRecord (name: string, value: unknown): Readonly<Record<str
   for (const [field, fieldValue] of Object.entries(value)) {
     if (typeof fieldValue !== 'string') throw new InvalidOptionError(`${name}[${JSON.stringify(field)}]`, 'a string', fieldValue)
     try {
-      new Headers([[field, fieldValue]])
+      // Constructed only for its validation: Headers throws on an invalid name or value.
+      new Headers([[field, fieldValue]]) // eslint-disable-line no-new
     } catch {
       throw new InvalidOptionError(`${name}[${JSON.stringify(field)}]`, 'a valid header name and value', fieldValue)
     }

@@ -39,6 +39,7 @@ export function resolveUrl (baseUrl: URL | null, path: unknown): string {
 function checkPathText (baseUrl: URL, path: string): void {
   // The parser strips C0 controls and spaces at either end and tabs/newlines anywhere (URL Standard,
   // basic URL parser): `/\t/evil.example` would become `//evil.example`.
+  // eslint-disable-next-line no-control-regex -- control characters are what this refuses
   if (/[\x00-\x1f\x7f]/.test(path) || path.startsWith(' ') || path.endsWith(' ')) {
     refuse(baseUrl, path, 'it holds control characters or surrounding spaces, which URL parsers strip or rewrite')
   }

@@ -118,7 +118,7 @@ console.table({
 })
 const ok = charges.size === PAYMENTS && tally.created === PAYMENTS && consistent
 console.log(ok
-  ? `one charge per key: OK (every client of a key received the same body)`
+  ? 'one charge per key: OK (every client of a key received the same body)'
   : `FAILED: ${charges.size} charges for ${PAYMENTS} keys (consistent answers: ${consistent})`)
 await app.close()
 process.exitCode = ok ? 0 : 1

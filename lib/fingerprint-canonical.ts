@@ -40,6 +40,7 @@ export class CanonicalLimitError extends Error {
  * such a string is rare enough to leave to JSON.stringify). A string without any is written as
  * `"` + itself + `"`, which is what JSON.stringify would give, without its call.
  */
+// eslint-disable-next-line no-control-regex -- the controls JSON must escape (RFC 8259 §7)
 const NEEDS_ESCAPE = /["\\\u0000-\u001f\ud800-\udfff]/
 
 function quote (text: string): string {

@@ -2,7 +2,7 @@ import type { IdempotencyContext, RequestState } from './context.js'
 import { checkName, deriveKey } from './derive.js'
 import type { Engine } from './engine.js'
 import { LeaseLostError, TransactionEndedError } from './errors.js'
-import type { Fingerprint, Lease, OutboxEntry } from './store.js'
+import type { Fingerprint, OutboxEntry } from './store.js'
 import { bounded } from './timeout.js'
 
 /** Options of `request.idempotency.step()`. */

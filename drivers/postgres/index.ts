@@ -30,7 +30,7 @@ export type { DeliveryReport, OutboxMessage, OutboxOptions } from './outbox.js'
  * (A declaration, because the type of a request's property cannot follow the store a plugin was
  * registered with; and the driver's own types name nothing of `pg`, so they load without @types/pg.)
  */
-// eslint-disable-next-line @typescript-eslint/no-empty-interface
+
 export interface AtomicTransactionTypes {}
 
 /** The handle of a request's transaction: see {@link AtomicTransactionTypes}. */

@@ -136,6 +136,7 @@ function guardHandle (handle: TransactionSql<any>, transaction: Guarded): Transa
       if (property === 'savepoint') return (...args: unknown[]) => { check(); return savepoint(target, method, args, transaction) }
       if (property === 'file') return (...args: unknown[]) => { check(); return fencedFile(target, method.apply(target, args) as PendingQuery, String(args[0]), transaction) }
       if (property === 'notify') {
+        // eslint-disable-next-line no-template-curly-in-string -- the message shows the tagged template to write
         return () => { throw new Error('fastify-idempotency: notify() on request.idempotency.sql runs on another connection, outside the transaction (postgres.js); use sql`select pg_notify(${channel}, ${payload})` so it is sent when the transaction commits') }
       }
       if (property === 'prepare') {
@@ -166,17 +167,19 @@ function savepoint (target: TransactionSql<any>, method: (...a: unknown[]) => un
     void transaction.tail.then(() => {
       const refused = refusal(transaction)
       if (refused !== null) return reject(refused)
-      const guarded = forms.map((arg) => typeof arg !== 'function' ? arg : async (handle: TransactionSql<any>) => {
-        try {
-          const result = (arg as (sql: TransactionSql<any>) => unknown)(guardHandle(handle, transaction))
-          return await (Array.isArray(result) ? Promise.all(result) : result)
-        } catch (err) {
-          await transaction.tail
-          if (refusal(transaction) === null) throw err
-          reject(err)
-          return await new Promise<never>(() => {})
-        }
-      })
+      const guarded = forms.map((arg) => typeof arg !== 'function'
+        ? arg
+        : async (handle: TransactionSql<any>) => {
+          try {
+            const result = (arg as (sql: TransactionSql<any>) => unknown)(guardHandle(handle, transaction))
+            return await (Array.isArray(result) ? Promise.all(result) : result)
+          } catch (err) {
+            await transaction.tail
+            if (refusal(transaction) === null) throw err
+            reject(err)
+            return await new Promise<never>(() => {})
+          }
+        })
       ;(method.apply(target, guarded) as Promise<unknown>).then(resolve, reject)
     })
   })

@@ -124,7 +124,7 @@ export function postgresJsClient (sql: Sql<any>): DatabaseClient {
   }
 }
 
-const givenBackError = (): Error => new Error("fastify-idempotency: the transaction ended through its handle, and postgres.js took its connection back to its pool: nothing more is sent through it, and nothing was committed by the driver")
+const givenBackError = (): Error => new Error('fastify-idempotency: the transaction ended through its handle, and postgres.js took its connection back to its pool: nothing more is sent through it, and nothing was committed by the driver')
 
 function statementsOn (sql: Sql<any> | TransactionSql<any>): Queryable {
   return {

@@ -60,7 +60,8 @@ export async function migrateOn (db: DatabaseClient, names: ResolvedNames): Prom
     //   UPDATE/DELETE on Citus); it fences complete/release/renew.
     // - lease_expires_at / expires_at: computed from the database clock (now()), never the app's.
     // - response_body NULL on a completed record: the outcome was recorded but its body not retained.
-    if (missing.has('records')) await tx.simple(`
+    if (missing.has('records')) {
+      await tx.simple(`
       CREATE TABLE IF NOT EXISTS ${records} (
         scope                 text COLLATE "C" NOT NULL,
         key                   text COLLATE "C" NOT NULL,
@@ -78,25 +79,31 @@ export async function migrateOn (db: DatabaseClient, names: ResolvedNames): Prom
         indeterminate         boolean NOT NULL DEFAULT false,
         PRIMARY KEY (scope, key)
       )`)
+    }
     // Recovery points and indeterminate failures came after the first release: a table created by
     // an earlier version gets their columns here (a no-op on a table created above).
-    if (missing.has('columns')) await tx.simple(`
+    if (missing.has('columns')) {
+      await tx.simple(`
       ALTER TABLE ${records}
         ADD COLUMN IF NOT EXISTS steps jsonb NOT NULL DEFAULT '{}',
         ADD COLUMN IF NOT EXISTS indeterminate boolean NOT NULL DEFAULT false`)
+    }
     // The purge finds expired records through this index instead of scanning the table.
     if (missing.has('expiresIndex')) await tx.simple(`CREATE INDEX IF NOT EXISTS ${id(`${names.table}_expires_at_idx`)} ON ${records} (expires_at)`)
     // The reconciler finds records left in progress through this one; completed records (almost
     // all of them) are not in it.
-    if (missing.has('inProgressIndex')) await tx.simple(`
+    if (missing.has('inProgressIndex')) {
+      await tx.simple(`
       CREATE INDEX IF NOT EXISTS ${id(`${names.table}_in_progress_idx`)}
       ON ${records} (lease_expires_at) WHERE state = 'in_progress'`)
+    }
     // The transactional outbox (drivers/postgres/outbox.ts): messages enqueued in a request's or a
     // step's transaction, delivered after it commits. Keyed like the records (scope first, for
     // Citus co-location), one message per (scope, key, name). On Citus, a table created here on an
     // upgrade stays local to the coordinator until the operator distributes it (docs/drivers.md):
     // migrate() leaves every choice of distribution to the operator.
-    if (missing.has('outbox')) await tx.simple(`
+    if (missing.has('outbox')) {
+      await tx.simple(`
       CREATE TABLE IF NOT EXISTS ${outbox} (
         scope           text COLLATE "C" NOT NULL,
         key             text COLLATE "C" NOT NULL,
@@ -111,9 +118,12 @@ export async function migrateOn (db: DatabaseClient, names: ResolvedNames): Prom
         delivered_at    timestamptz,
         PRIMARY KEY (scope, key, name)
       )`)
-    if (missing.has('outboxDueIndex')) await tx.simple(`
+    }
+    if (missing.has('outboxDueIndex')) {
+      await tx.simple(`
       CREATE INDEX IF NOT EXISTS ${id(`${names.table}_outbox_due_idx`)}
       ON ${outbox} (next_attempt_at) WHERE delivered_at IS NULL`)
+    }
   })
 }
 

@@ -276,8 +276,20 @@ function buildTexts (table: string) {
   `
 
   return {
-    claimText, reclaimText, takeoverText, completeText, releaseText, renewText, getText, purgeText,
-    atomicClaimText, atomicReclaimText, atomicTakeoverText, atomicCompleteText, holdOwnedText, insertHeldText: insertHeld
+    claimText,
+    reclaimText,
+    takeoverText,
+    completeText,
+    releaseText,
+    renewText,
+    getText,
+    purgeText,
+    atomicClaimText,
+    atomicReclaimText,
+    atomicTakeoverText,
+    atomicCompleteText,
+    holdOwnedText,
+    insertHeldText: insertHeld
   }
 }
 

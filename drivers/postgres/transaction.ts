@@ -113,10 +113,10 @@ export function createTransactions (db: DatabaseClient, table: string): Transact
   let unfinished = 0
 
   function claimInTransaction (request: ClaimRequest & { readonly waitMs: number }): Promise<ClaimResult> {
-    return new Promise<ClaimResult>((resolveClaim, rejectClaim) => {
+    return new Promise<ClaimResult>((resolve, reject) => {
       // Thrown here, an invalid waitMs rejects the claim.
       const setLockTimeout = lockTimeoutStatement(request.waitMs)
-      attempt(request, setLockTimeout, request.waitMs, request.waitMs < MOMENTARY_LOCK_MS ? LOCK_TIMEOUT_RETRIES : 0, resolveClaim, rejectClaim)
+      attempt(request, setLockTimeout, request.waitMs, request.waitMs < MOMENTARY_LOCK_MS ? LOCK_TIMEOUT_RETRIES : 0, resolve, reject)
     })
   }
 
