@@ -4,8 +4,9 @@
 //   2. type-check (tsc --noEmit -p .) and build the package (dist/, which the docs and
 //      package tests consume as a user's project would); install test/orm/'s own
 //      dependencies (drizzle-orm, for the ORM recipes) when they are missing or stale;
-//   3. run tap with the services' env; extra args go to tap
-//      (`npm test -- test/replay.test.ts` runs one file);
+//   3. run tap with the services' env on the whole suite, or on one tier of it
+//      (`npm test -- --tier=fast`, `--tier=slow`; see SLOW_TIER below); other args go to
+//      tap (`npm test -- test/plugin/replay.test.ts` runs one file);
 //   4. stop the services and print `N passed, N failed[, N skipped]` as the last line.
 // Exit status is tap's (1 if tap produced no summary or anything else went wrong).
 
@@ -27,12 +28,91 @@ if (process.env.IDEM_TEST_RUNNER === '1') {
 const root = path.resolve(path.dirname(fileURLToPath(import.meta.url)), '..')
 process.chdir(root)
 
-// --include only applies when no files are named on the command line. It keeps
-// tap off scripts/test.mjs and off helper modules under test/.
+/**
+ * The slow tier: test files that take minutes, or whose subject is the same on every Node line
+ * (the benchmark scripts, the docs' code, the package's tarball), so that CI (.ci/run) runs them
+ * once, on the newest LTS line, and the fast tier (every other file under test/) on every
+ * supported line. A file not named here is in the fast tier. Times from a slow-tier run on a
+ * 2-core machine, the six files at once:
+ */
+const SLOW_TIER = [
+  'test/chaos/chaos.test.ts', // 4-5 min: quick chaos runs, 3 instances each, on both PostgreSQL clients
+  'test/benchmarks.test.ts', // 1-1.5 min: the benchmark scripts' --quick runs
+  'test/docs.test.ts', // 15-35 s: tsc over the docs' TypeScript, the README's citations and links
+  'test/package.test.ts', // 25-35 s: npm pack, and the packed package in a project of its own
+  'test/postgres/orm-recipes.test.ts', // the docs' ORM recipes, against test/orm's own drizzle-orm
+  'test/fingerprint-benchmark.test.ts' // the fingerprint benchmark's --quick run
+]
+const TIERS = ['fast', 'slow']
+
+/** Every test file under test/ (what tap's include matches), sorted; dependencies' folders skipped. */
+function allTestFiles (dir = 'test') {
+  const found = []
+  for (const entry of readdirSync(dir, { withFileTypes: true })) {
+    const at = `${dir}/${entry.name}`
+    if (entry.isDirectory()) {
+      if (entry.name !== 'node_modules') found.push(...allTestFiles(at))
+    } else if (entry.name.endsWith('.test.ts')) {
+      found.push(at)
+    }
+  }
+  return found.sort()
+}
+
+/** The test files of `tier` ('fast' or 'slow'). */
+function tierFiles (tier) {
+  const all = allTestFiles()
+  const missing = SLOW_TIER.filter((file) => !all.includes(file))
+  if (missing.length > 0) {
+    throw new Error(`SLOW_TIER in scripts/test.mjs names ${missing.join(', ')}, which ${missing.length === 1 ? 'is' : 'are'} not a test file: moved or renamed?`)
+  }
+  return all.filter((file) => SLOW_TIER.includes(file) === (tier === 'slow'))
+}
+
+/** `--tier=X` / `--tier X` taken out of the args; the rest go to tap. */
+function parseArgs (argv) {
+  const rest = []
+  let tier = null
+  for (let i = 0; i < argv.length; i++) {
+    const arg = argv[i]
+    const value = arg === '--tier' ? argv[++i] : arg.startsWith('--tier=') ? arg.slice('--tier='.length) : undefined
+    if (value === undefined && arg !== '--tier') { rest.push(arg); continue }
+    if (!TIERS.includes(value)) throw new Error(`--tier takes ${TIERS.join(' or ')} (both run when no tier is given), not ${JSON.stringify(value ?? '')}`)
+    tier = value
+  }
+  // A positional argument naming something on disk: a test file or folder for tap to run.
+  const named = rest.filter((arg) => !arg.startsWith('-') && existsSync(arg))
+  if (tier !== null && named.length > 0) throw new Error(`--tier=${tier} picks the files itself; name test files or a tier, not both (${named.join(' ')})`)
+  // Without a tier, tap picks the files (its include, or the files named).
+  return { tier, rest, files: tier === null ? null : tierFiles(tier) }
+}
+
+let args
+try {
+  args = parseArgs(process.argv.slice(2))
+} catch (err) {
+  process.stderr.write(`[test] ${err.message}\n`)
+  process.stdout.write('0 passed, 1 failed\n')
+  process.exit(1)
+}
+
+// --include only applies when no files are named: it keeps tap off scripts/test.mjs and off
+// helper modules under test/.
+// Test files run on tsx (as the fixtures and scripts they spawn do), not on tap's TypeScript
+// plugin: its ts-node transpiles every module afresh in every test process, more than a second of
+// CPU per file on this suite, where tsx caches what it compiled. The plugin's child-side switch
+// TAP_TYPE_STRIP_ONLY=1 turns ts-node off (tap's runner would set it back to 0 on Node 20).
+// Test files spend about half their time waiting (timers, the database, the processes they
+// spawn), so tap runs twice as many at once as there are cores, unless told otherwise (--jobs).
+const jobsGiven = args.rest.some((arg) => /^(--jobs|-j)/.test(arg))
+const jobs = Math.min(8, 2 * os.availableParallelism())
 const tapArgs = [
   '--disable-coverage', '--reporter=tap', '--timeout=120',
+  '--test-env=TAP_TYPE_STRIP_ONLY=1', '--node-arg=--import=tsx',
   '--include=test/**/*.test.ts',
-  ...process.argv.slice(2)
+  ...(jobsGiven ? [] : [`--jobs=${jobs}`]),
+  ...args.rest,
+  ...(args.files ?? [])
 ]
 
 let services = null // { env, stop }
@@ -273,6 +353,7 @@ async function main () {
     process.stderr.write('[test] npm ci in test/orm failed (drizzle-orm, for the ORM recipe tests), not running the tests\n')
     return finish(1, null)
   }
+  if (args.files !== null) process.stderr.write(`[test] the ${args.tier} tier: ${args.files.length} test files\n`)
   const code = await runTap({ ...process.env, ...services.env, IDEM_TEST_RUNNER: '1' })
   finish(code ?? 1)
 }

@@ -173,7 +173,7 @@ t.test('a flood of distinct keys against maxEntries: 503 store-unavailable past 
   const clock = manualClock()
   const maxEntries = 100
   const ttl = 60_000
-  // One scope ('test') against the whole store's bound: its share is the whole store (the shares: test/memory-fairness.test.ts).
+  // One scope ('test') against the whole store's bound: its share is the whole store (the shares: test/memory/fairness.test.ts).
   const h = await sizeApp(t, { memory: { maxEntries, maxEntriesPerScope: maxEntries, now: clock.now }, plugin: { ttl } })
   const answers = new Map<number, number>()
   for (let i = 0; i < 1000; i++) {
@@ -202,7 +202,7 @@ t.test('a flood of distinct keys against maxEntries: 503 store-unavailable past 
 t.test('a flood of large responses against maxBytes: the store never holds more than its budget; answers that do not fit are recorded without their bodies (retries get 410), then new keys get 503', async (t) => {
   const maxBytes = 64 * 1024
   const recordBytes = 4096
-  // One scope alone may use the whole store (its share limits it only beside other scopes: test/memory-fairness.test.ts).
+  // One scope alone may use the whole store (its share limits it only beside other scopes: test/memory/fairness.test.ts).
   const inner = memoryStore({ purgeInterval: 0, maxBytes })
   const h = await sizeApp(t, { store: inner })
   t.teardown(() => inner.close())

@@ -8,6 +8,7 @@ import idempotency, { memoryStore } from '../../lib/index.js'
 import type { IdempotencyStore } from '../../lib/store.js'
 import { postgresFixture, redisFixture, type RedisFixture } from './services.js'
 import { errorLog, fcParams } from './support.js'
+import { sleep } from '../helpers/sleep.js'
 
 /*
  * Hostile content through every storage path: keys (any sf-string: quotes, backslashes, SQL and Lua
@@ -84,7 +85,7 @@ async function copiedToRedis (redis: RedisFixture, scope: string, key: string): 
   const name = recordKey(redis.prefix, { scope, key })
   for (let i = 0; i < 200; i++) {
     if ((await redis.client.hget(name, 'state')) === 'completed') return
-    await new Promise((resolve) => setTimeout(resolve, 5))
+    await sleep(5)
   }
   assert.fail(`the record of ${JSON.stringify(key)} never reached Redis`)
 }

@@ -41,6 +41,7 @@ import { evidenceLog, loggedStore, watchStalls } from './evidence.js'
 import { post } from './http.js'
 import { markStopped, plantedStore, PLANTS, type Plant, type StoppedRenewals } from './plants.js'
 import { SCENARIO_ROUTES, streamedParts, type ScenarioParameters } from './scenario-routes.js'
+import { sleep } from '../helpers/sleep.js'
 
 interface Settings {
   readonly instance: number
@@ -92,7 +93,6 @@ function settingsFromEnv (env: NodeJS.ProcessEnv): Settings {
 }
 
 const settings = settingsFromEnv(process.env)
-const sleep = (ms: number): Promise<void> => new Promise((resolve) => setTimeout(resolve, ms))
 const log = evidenceLog(settings.evidenceFile, settings.instance)
 watchStalls(log)
 

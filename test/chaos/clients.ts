@@ -4,6 +4,7 @@ import type { AppInstance } from './instances.js'
 import type { Random } from './random.js'
 import { SCENARIO_ROUTES, type Scenario, type ScenarioParameters } from './scenario-routes.js'
 import { runScenario, scenarioParameters, type ScenarioClient } from './scenarios.js'
+import { sleep } from '../helpers/sleep.js'
 
 /**
  * The clients: many concurrent logical operations, each with ONE key reused for every attempt,
@@ -56,7 +57,6 @@ interface OperationState {
 
 const BACKOFF_BASE_MS = 50
 const BACKOFF_CAP_MS = 1_000
-const sleep = (ms: number): Promise<void> => new Promise((resolve) => setTimeout(resolve, ms))
 
 export class Workload {
   readonly operations: Operation[] = []

@@ -5,6 +5,7 @@ import { get } from './http.js'
 import type { AppInstance } from './instances.js'
 import type { Random } from './random.js'
 import { reachable, type RedisNode, type Services } from './services.js'
+import { sleep } from '../helpers/sleep.js'
 
 /**
  * The faults, injected at random times from a seeded schedule, each kind a bounded number of times.
@@ -46,8 +47,6 @@ export interface ScheduledFault {
   readonly at: number
   readonly kind: FaultKind
 }
-
-const sleep = (ms: number): Promise<void> => new Promise((resolve) => setTimeout(resolve, ms))
 
 /**
  * Kinds that act on the same thing run one at a time: two overlapping restarts of one server would

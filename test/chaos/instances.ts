@@ -6,6 +6,7 @@ import type { PgClient } from './database.js'
 import type { Crash, Incarnation } from './history.js'
 import { killChild, sendTo, shutdownChild, startChild } from './processes.js'
 import type { Random } from './random.js'
+import { sleep } from '../helpers/sleep.js'
 
 /** What every app instance shares: where its database, Redis and provider are, and its timings. */
 export interface InstanceEnvironment {
@@ -158,7 +159,7 @@ export class AppInstance {
   /** Cuts this instance alone from the database for `ms` (its queries are held, as in a partition). */
   async partition (ms: number): Promise<void> {
     this.dbProxy.set({ blackhole: true })
-    await new Promise((resolve) => setTimeout(resolve, ms))
+    await sleep(ms)
     this.dbProxy.set({ blackhole: false })
   }
 

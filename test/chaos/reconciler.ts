@@ -18,6 +18,7 @@ import { postgresStore } from '../../drivers/postgres/index.js'
 import { openDatabase, pgClientFromEnv } from './database.js'
 import { evidenceLog } from './evidence.js'
 import { resolveStuck, type Resolution, type StuckRecordView } from './reconcile-policy.js'
+import { sleep } from '../helpers/sleep.js'
 
 export interface ReconcilerStats {
   passes: number
@@ -80,7 +81,7 @@ async function loop (): Promise<void> {
   const reconcile = store.reconcile
   if (reconcile === undefined) return
   for (;;) {
-    await new Promise((resolve) => setTimeout(resolve, intervalMs))
+    await sleep(intervalMs)
     await pass(reconcile)
   }
 }

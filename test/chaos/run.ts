@@ -31,8 +31,8 @@ import { seededRandom } from './random.js'
 import { faultCounts, formatSummary, type ChaosReport } from './report.js'
 import { startPrivateServices, type Services } from './services.js'
 import { startSystem, type ChaosSystem } from './system.js'
+import { sleep } from '../helpers/sleep.js'
 
-const sleep = (ms: number): Promise<void> => new Promise((resolve) => setTimeout(resolve, ms))
 /** Tries of the atomic-duplicate scenario's table lock before its operation goes on without it. */
 const LOCK_TRIES = 10
 

@@ -3,6 +3,7 @@ import type { Departure } from './http.js'
 import type { AppInstance } from './instances.js'
 import type { Random } from './random.js'
 import { SHORT_TTL_MS, type Scenario, type ScenarioParameters } from './scenario-routes.js'
+import { sleep } from '../helpers/sleep.js'
 
 /**
  * The clients of the lease-boundary scenarios (scenario-routes.ts lists them): each operation
@@ -32,8 +33,6 @@ export interface ScenarioClient {
   /** Cuts `instance` from the database for `ms`, recorded as an intervention. */
   partition (instance: AppInstance, op: Operation, ms: number): Promise<void>
 }
-
-const sleep = (ms: number): Promise<void> => new Promise((resolve) => setTimeout(resolve, ms))
 
 /** The handler's timings for one operation of `scenario`, drawn from the seeded sequence. */
 export function scenarioParameters (scenario: Scenario, draw: Random): ScenarioParameters {

@@ -3,6 +3,7 @@ import { connect } from 'node:net'
 import path from 'node:path'
 import { fileURLToPath, pathToFileURL } from 'node:url'
 import postgres from 'postgres'
+import { sleep } from '../helpers/sleep.js'
 
 /**
  * The harness's own PostgreSQL, Redis and 3-master Redis Cluster, and the handles that break them.
@@ -107,8 +108,6 @@ export function reachable (endpoint: Endpoint, timeoutMs = 500): Promise<boolean
     socket.once('error', () => done(false))
   })
 }
-
-const sleep = (ms: number): Promise<void> => new Promise((resolve) => setTimeout(resolve, ms))
 
 export class PostgresServer {
   private constructor (

@@ -12,6 +12,7 @@ import { killChild, startChild, type Started } from './processes.js'
 import type { Random } from './random.js'
 import { ReconcilerHandle } from './reconciler-handle.js'
 import type { Services } from './services.js'
+import { sleep } from '../helpers/sleep.js'
 
 /**
  * The system under test, wired on loopback:
@@ -94,7 +95,7 @@ export async function startSystem (config: ChaosConfig, random: Random, now: () 
         return await instance.start(skew())
       } catch (err) {
         if (attempt >= 3) throw err
-        await new Promise((resolve) => setTimeout(resolve, 500))
+        await sleep(500)
       }
     }
   }
@@ -158,4 +159,3 @@ export async function startSystem (config: ChaosConfig, random: Random, now: () 
     }
   }
 }
-

@@ -1,6 +1,7 @@
 import Fastify, { type FastifyInstance, type FastifyServerOptions } from 'fastify'
 import type { Test } from 'tap'
 import idempotency, { memoryStore, type IdempotencyOptions, type MemoryStoreOptions } from '../../lib/index.js'
+import { sleep } from './sleep.js'
 
 /** A clock tests move by hand, for TTL and lease tests. */
 export interface ManualClock {
@@ -41,8 +42,6 @@ export function deferred<T = void> (): { promise: Promise<T>, resolve: (value: T
   const promise = new Promise<T>((res, rej) => { resolve = res; reject = rej })
   return { promise, resolve, reject }
 }
-
-export const sleep = (ms: number): Promise<void> => new Promise((resolve) => setTimeout(resolve, ms))
 
 /** Polls until `check` holds (every 10 ms, at most `ms`); returns whether it did. A bound, not a speed assertion. */
 export async function eventually (check: () => Promise<boolean> | boolean, ms = 3000): Promise<boolean> {

@@ -5,12 +5,13 @@ import Fastify, { type FastifyInstance, type LightMyRequestResponse } from 'fast
 import type { Test } from 'tap'
 import idempotency, { LeaseLostError, type IdempotencyOptions, type IdempotencyStore } from '../../lib/index.js'
 import type { StoredRecord } from '../../lib/store.js'
-import { deferred, eventually, keyed, PROBLEM_TYPE, sleep } from './app.js'
+import { deferred, eventually, keyed, PROBLEM_TYPE } from './app.js'
+import { sleep } from './sleep.js'
 import type { RecoveryStore } from './recovery-scenarios.js'
 
 /**
  * Issue 12: the lease boundaries where a second execution used to slip in, run against one store
- * (test/lease-boundaries.test.ts: memory; test/drivers/postgres-boundaries.test.ts: Postgres), in
+ * (test/lease/boundaries.test.ts: memory; test/postgres/boundaries.test.ts: Postgres), in
  * real time. The rule they all check: a live owner keeps its key until its outcome is recorded, so
  * a retry that arrives meanwhile gets 409 (or waits), never a second execution.
  *
@@ -35,7 +36,6 @@ interface World {
 }
 
 const typeOf = (res: LightMyRequestResponse): string => (JSON.parse(res.body) as { type?: string }).type ?? ''
-
 
 export function boundaryScenarios (t: Test, env: BoundaryEnvironment): void {
   async function world (t: Test, wrap: (store: RecoveryStore) => IdempotencyStore = (store) => store, options: IdempotencyOptions = {}): Promise<World> {

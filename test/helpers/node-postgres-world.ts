@@ -1,5 +1,5 @@
 /**
- * For the node-postgres-only suites (test/drivers/node-postgres/*, beyond the wrappers): a schema
+ * For the node-postgres-only suites (test/postgres/node-postgres/*, beyond the wrappers): a schema
  * of their own with a `payments` table, a pg.Pool of a known size and application_name for the
  * store, and a postgres.js client for the checks (its reads are unaffected by anything the suites
  * do to node-postgres: its pool, its global type parsers).
@@ -7,9 +7,11 @@
 import { randomBytes } from 'node:crypto'
 import type { FastifyRequest } from 'fastify'
 import pg from 'pg'
-import postgres from 'postgres'
+import type postgres from 'postgres'
 import type { Test } from 'tap'
 import { postgresStore, type PostgresStore } from '../../drivers/postgres/index.js'
+import { postgresSchema } from './postgres-schema.js'
+import { sleep } from './sleep.js'
 
 export interface NodePostgresWorld {
   readonly schema: string
@@ -29,23 +31,20 @@ export interface NodePostgresWorld {
 
 export function nodePostgresWorld (t: Test, url: string, max = 4): NodePostgresWorld {
   const id = randomBytes(4).toString('hex')
-  const schema = `idem_pg_${id}`
-  const appName = `idem-pg-${id}`
-  const pool = new pg.Pool({ connectionString: url, max, application_name: appName, allowExitOnIdle: true })
-  const admin = postgres(url, { max: 2, onnotice: () => {} })
-  const stores: PostgresStore[] = []
-
-  t.before(async () => {
-    await admin`CREATE SCHEMA ${admin(schema)}`
+  const { name: schema, sql: admin } = postgresSchema(t, url, {
+    prefix: 'idem_pg',
+    client: { max: 2 },
     // `ref` is checked at COMMIT: a duplicate makes the COMMIT itself fail.
-    await admin`CREATE TABLE ${admin(schema)}.payments (key text NOT NULL, amount integer NOT NULL,
+    setup: ({ sql, name }) => sql`CREATE TABLE ${sql(name)}.payments (key text NOT NULL, amount integer NOT NULL,
       ref text UNIQUE DEFERRABLE INITIALLY DEFERRED)`
   })
+  const appName = `idem-pg-${id}`
+  const pool = new pg.Pool({ connectionString: url, max, application_name: appName, allowExitOnIdle: true })
+  const stores: PostgresStore[] = []
+
   t.teardown(async () => {
     for (const store of stores) await store.close()
-    await admin`DROP SCHEMA IF EXISTS ${admin(schema)} CASCADE`
     await Promise.race([pool.end(), new Promise((resolve) => setTimeout(resolve, 2000).unref())])
-    await admin.end({ timeout: 2 })
   })
 
   return {
@@ -78,7 +77,6 @@ export function poolClientOf (request: FastifyRequest): pg.PoolClient {
 }
 
 export const keyed = (key: string): Record<string, string> => ({ 'idempotency-key': `"${key}"`, 'content-type': 'application/json' })
-export const sleep = (ms: number): Promise<void> => new Promise((resolve) => setTimeout(resolve, ms))
 
 export function deferred (): { promise: Promise<void>, resolve: () => void } {
   let resolve!: () => void

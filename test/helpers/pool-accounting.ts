@@ -4,6 +4,7 @@
  * for good (the next checkouts would wait for it forever).
  */
 import type pg from 'pg'
+import { sleep } from './sleep.js'
 
 export interface PoolCounts { readonly total: number, readonly idle: number, readonly waiting: number }
 
@@ -16,7 +17,7 @@ export const countsOf = (pool: pg.Pool): PoolCounts => ({ total: pool.totalCount
 export async function settledCounts (pool: pg.Pool, limitMs = 3000): Promise<PoolCounts> {
   const deadline = Date.now() + limitMs
   while (Date.now() < deadline && (pool.idleCount !== pool.totalCount || pool.waitingCount !== 0)) {
-    await new Promise((resolve) => setTimeout(resolve, 10))
+    await sleep(10)
   }
   return countsOf(pool)
 }

@@ -5,10 +5,11 @@ import { deriveKey } from '../../lib/derive.js'
 import { customFingerprint } from '../../lib/fingerprint.js'
 import type { Lease, StepResults } from '../../lib/store.js'
 import { deferred } from './app.js'
+import { sleep } from './sleep.js'
 
 /**
  * Recovery points, indeterminate failures, the reconciler and the operator tools, run against one
- * store (test/recovery.test.ts: memory; test/drivers/postgres-recovery.test.ts: Postgres).
+ * store (test/plugin/recovery.test.ts: memory; test/postgres/recovery.test.ts: Postgres).
  */
 export type RecoveryStore = IdempotencyStore & RecoveryTools & {
   loadSteps (lease: Lease): Promise<StepResults | null>
@@ -150,7 +151,7 @@ export function recoveryScenarios (t: Test, env: RecoveryEnvironment): void {
     app.post('/orders', async (request) => {
       const context = request.idempotency
       if (context === null) throw new Error('unprotected')
-      const slow = context.step('first', async () => { events.push('first:start'); await new Promise((resolve) => setTimeout(resolve, 30)); events.push('first:end'); return 1 })
+      const slow = context.step('first', async () => { events.push('first:start'); await sleep(30); events.push('first:end'); return 1 })
       const fast = context.step('second', () => { events.push('second:start'); return 2 })
       return { results: await Promise.all([slow, fast]) }
     })
@@ -335,7 +336,7 @@ export function recoveryScenarios (t: Test, env: RecoveryEnvironment): void {
     })
     const deadline = Date.now() + 5000
     while ((await h.store.inspect({ scope: 'acct_a', key: 'auto' }))?.state !== 'completed' && Date.now() < deadline) {
-      await new Promise((resolve) => setTimeout(resolve, 10))
+      await sleep(10)
     }
     await reconciler.stop()
     t.equal((await h.store.inspect({ scope: 'acct_a', key: 'auto' }))?.state, 'completed')

@@ -1,3 +1,0 @@
-// test/drivers/postgres-atomic-ended.test.ts with the store on node-postgres (test/helpers/postgres-clients.ts).
-process.env.IDEM_PG_CLIENT = 'pg'
-await import('../postgres-atomic-ended.test.js')

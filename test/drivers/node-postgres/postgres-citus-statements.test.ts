@@ -1,3 +1,0 @@
-// test/drivers/postgres-citus-statements.test.ts with the store on node-postgres (test/helpers/postgres-clients.ts).
-process.env.IDEM_PG_CLIENT = 'pg'
-await import('../postgres-citus-statements.test.js')

@@ -1,3 +1,0 @@
-// test/drivers/postgres-crash.test.ts with the store on node-postgres (test/helpers/postgres-clients.ts).
-process.env.IDEM_PG_CLIENT = 'pg'
-await import('../postgres-crash.test.js')
