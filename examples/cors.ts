@@ -1,5 +1,5 @@
 /**
- * Browser clients: the @fastify/cors setup the README documents (test/cors.test.ts runs this very
+ * Browser clients: the @fastify/cors setup the README documents (test/plugin/cors.test.ts runs this very
  * object against a listening server).
  *
  * `Idempotency-Key` is not a CORS-safelisted request header (Fetch standard,

@@ -12,7 +12,7 @@
  * body (1 MiB flat array); the chunks are hashed as they fill (benchmarks/fingerprint.ts).
  *
  * The bytes are exactly those of the recursive version, which stored records were made with
- * (test/fingerprint-canonical.test.ts compares the two on generated and hand-picked values).
+ * (test/fingerprint/canonical.test.ts compares the two on generated and hand-picked values).
  */
 
 export interface CanonicalLimits {

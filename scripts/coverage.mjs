@@ -12,8 +12,8 @@
 //
 // Why not tap's own report: c8 adds up the V8 counts of every process per file *before*
 // mapping them back to the TypeScript source, and the same file is not the same JavaScript in
-// every process: tap's test processes transpile it with ts-node, fixture servers started with
-// `node --import tsx` with esbuild. Mixed, the byte ranges of one build land on the other's and
+// every process (tap's TypeScript loader and tsx, or two tsx versions, build it differently). Mixed,
+// the byte ranges of one build land on the other's and
 // those files come out as one line. So each build of a file is reported under a name of its
 // own here; c8 maps each through its own source map and merges the results by source file.
 // (`tap report` reads the same data the mixed way: use this script instead.)

@@ -37,11 +37,11 @@ process.chdir(root)
  */
 const SLOW_TIER = [
   'test/chaos/chaos.test.ts', // 4-5 min: quick chaos runs, 3 instances each, on both PostgreSQL clients
-  'test/benchmarks.test.ts', // 1-1.5 min: the benchmark scripts' --quick runs
-  'test/docs.test.ts', // 15-35 s: tsc over the docs' TypeScript, the README's citations and links
-  'test/package.test.ts', // 25-35 s: npm pack, and the packed package in a project of its own
+  'test/benchmarks/benchmarks.test.ts', // 1-1.5 min: the benchmark scripts' --quick runs
+  'test/docs/docs.test.ts', // 15-35 s: tsc over the docs' TypeScript, the README's citations and links
+  'test/package/package.test.ts', // 25-35 s: npm pack, and the packed package in a project of its own
   'test/postgres/orm-recipes.test.ts', // the docs' ORM recipes, against test/orm's own drizzle-orm
-  'test/fingerprint-benchmark.test.ts' // the fingerprint benchmark's --quick run
+  'test/benchmarks/fingerprint-benchmark.test.ts' // the fingerprint benchmark's --quick run
 ]
 const TIERS = ['fast', 'slow']
 
@@ -106,8 +106,11 @@ try {
 // spawn), so tap runs twice as many at once as there are cores, unless told otherwise (--jobs).
 const jobsGiven = args.rest.some((arg) => /^(--jobs|-j)/.test(arg))
 const jobs = Math.min(8, 2 * os.availableParallelism())
+// Coverage (.taprc) is recorded and gated (scripts/coverage.mjs) on a whole-suite run only: a
+// tier or a few files cover part of the code by design.
+const coverage = args.tier === null && !args.rest.some((arg) => !arg.startsWith('-') && existsSync(arg))
 const tapArgs = [
-  '--disable-coverage', '--reporter=tap', '--timeout=120',
+  ...(coverage ? [] : ['--disable-coverage']), '--reporter=tap', '--timeout=120',
   '--test-env=TAP_TYPE_STRIP_ONLY=1', '--node-arg=--import=tsx',
   '--include=test/**/*.test.ts',
   ...(jobsGiven ? [] : [`--jobs=${jobs}`]),
@@ -120,6 +123,7 @@ let tapChild = null
 let captured = '' // tail of tap's stdout, for the summary
 const failures = tapFailures() // every failed test's path, printed before the summary
 let finishing = false
+const extraFailures = [] // checks run after tap (the coverage gate), reported with tap's failures
 
 const CAPTURE_LIMIT = 256 * 1024
 const FAILURES_SHOWN = 40
@@ -196,7 +200,8 @@ function finish (exitCode, counts = parseSummary(captured)) {
   killTap()
   stopServices()
   if (!counts && exitCode === 0) exitCode = 1
-  const failed = failures.end()
+  const failed = [...failures.end(), ...extraFailures]
+  if (extraFailures.length > 0 && exitCode === 0) exitCode = 1
   // an assertion's name can hold a whole command's output: one line each, cut short
   const shown = failed.slice(0, FAILURES_SHOWN).map((f) => `[failed] ${f.length > 240 ? `${f.slice(0, 239)}…` : f}\n`).join('')
   const more = failed.length > FAILURES_SHOWN ? `[failed] … and ${failed.length - FAILURES_SHOWN} more\n` : ''
@@ -355,6 +360,11 @@ async function main () {
   }
   if (args.files !== null) process.stderr.write(`[test] the ${args.tier} tier: ${args.files.length} test files\n`)
   const code = await runTap({ ...process.env, ...services.env, IDEM_TEST_RUNNER: '1' })
+  if (coverage) {
+    const report = await capture(process.execPath, [path.join('scripts', 'coverage.mjs')])
+    process.stdout.write(report.out.endsWith('\n') || !report.out ? report.out : report.out + '\n')
+    if (report.code !== 0) extraFailures.push(`coverage: ${report.out.trim().split('\n').at(-1)}`)
+  }
   finish(code ?? 1)
 }
 

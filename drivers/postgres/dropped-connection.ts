@@ -8,7 +8,7 @@ import type { PostgresClient } from './options.js'
  * `TypeError: Cannot read properties of null (reading 'write') at Immediate.nextWrite`, which no
  * caller can catch, and the process dies (porsager/postgres#1208, #1154; the unreleased fix, #1209,
  * makes `sql.begin` refuse exactly these statements). The one that killed atomic-mode processes in
- * test/drivers/postgres-dropped-connection.test.ts was `sql.begin`'s own ROLLBACK, sent because
+ * test/postgres/dropped-connection.test.ts was `sql.begin`'s own ROLLBACK, sent because
  * the callback threw when the claim's or the handler's statement failed with CONNECTION_CLOSED; the
  * handler's next query and the recorded response would reach the same write.
  *

@@ -18,7 +18,7 @@ import type { NodePostgresPoolClient } from './node-postgres.js'
  *   TRANSACTION, AND CHAIN), or after a BEGIN went through it: inside a transaction PostgreSQL
  *   answers BEGIN with a warning only, so an ORM's own `transaction()` on this client (Drizzle's,
  *   Kysely's: BEGIN, the writes, COMMIT) would otherwise COMMIT the claim and the handler's writes
- *   before the response is recorded (test/orm-recipes.test.ts). Savepoints stay allowed;
+ *   before the response is recorded (test/postgres/orm-recipes.test.ts). Savepoints stay allowed;
  * - `release()`: the store returns the client to the pool when the transaction ends, and a client
  *   released twice is an error in node-postgres.
  *

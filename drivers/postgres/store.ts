@@ -124,15 +124,12 @@ export function postgresStore (options: PostgresStoreOptions): PostgresStore {
    */
   async function purge (limit: number): Promise<number> {
     let total = 0
-    // `closed` is set by close() while a batch is awaited.
-    // eslint-disable-next-line no-unmodified-loop-condition
     while (total < limit && !closed) {
       const batch = Math.min(settings.purgeBatch, limit - total)
       const deleted = await retrying(() => statements.purge(batch))
       if (deleted === 0) break
       total += deleted
     }
-    // eslint-disable-next-line no-unmodified-loop-condition -- as above
     while (outbox !== null && !closed) {
       if (await retrying(() => outbox.purgeDelivered(settings.purgeBatch)) === 0) break
     }

@@ -5,7 +5,7 @@ import Fastify, { type FastifyInstance, type LightMyRequestResponse } from 'fast
 import t, { type Test } from 'tap'
 import { canonicalJson } from '../../lib/fingerprint.js'
 import idempotency, { memoryStore, type IdempotencyOptions } from '../../lib/index.js'
-import { jsonEqual, jsonObject, jsonValue, mutate, reformat, type Json } from './json-arbitraries.js'
+import { jsonEqual, jsonObject, jsonValue, mutate, reformat } from './json-arbitraries.js'
 import { assertProblem, counted, errorLog, fcParams, type CountedStore } from './support.js'
 
 /*

@@ -114,7 +114,9 @@ function expected (value: string, format: KeyFormat, max: number): Verdict {
  * by the targeted cases. Null where the library follows the RFC.
  */
 function libraryDeviation (value: string, format: KeyFormat): Verdict | null {
+  // eslint-disable-next-line no-control-regex -- Latin-1, controls included
   if (!/[^\u0000-\u00ff]/u.test(value)) return null
+  // eslint-disable-next-line no-control-regex -- as above
   const relaxed = value.replace(/%"[^"]*"/g, (display) => display.replace(/[^\u0000-\u00ff]/gu, 'x'))
   if (relaxed === value) return null
   const verdict = referenceKey(relaxed, format)

@@ -3,7 +3,7 @@ import t, { type Test } from 'tap'
 import idempotency from '../../lib/index.js'
 import type { IdempotencyStore } from '../../lib/store.js'
 import { postgresFixture } from './services.js'
-import { assertProblem, errorLog } from './support.js'
+import { errorLog } from './support.js'
 
 /*
  * Scopes are whatever the application's scope function returns: any JS string. PostgreSQL text is

@@ -19,10 +19,6 @@ import { assertProblem, errorLog, fcParams } from './support.js'
 const KEYS = ['k', 'k:1', 'K'] as const
 const BODIES = [{ amount: 100 }, { amount: 200 }] as const
 
-type Op =
-  | { readonly kind: 'send' | 'hold', readonly who: 0 | 1, readonly key: 0 | 1 | 2, readonly body: 0 | 1 }
-  | { readonly kind: 'finish' }
-
 const request = fc.record({
   kind: fc.constantFrom('send' as const, 'send' as const, 'hold' as const),
   who: fc.constantFrom(0 as const, 1 as const),

@@ -43,11 +43,13 @@ class Cursor {
     if (this.done) throw new Fail()
     return this.input[this.pos++] as string
   }
+
   skipSpaces (): void { while (this.peek() === ' ') this.pos++ }
 }
 
 function parseStringItem (input: string): Verdict {
   // §4.2 step 1: the field value must convert to ASCII.
+  // eslint-disable-next-line no-control-regex -- ASCII, controls included (RFC 9651 §4.2)
   if (!/^[\x00-\x7f]*$/.test(input)) return INVALID
   const c = new Cursor(input)
   try {

@@ -3,7 +3,7 @@ import type { Crash } from './history.js'
 
 /**
  * Process deaths: app instances and reconciler workers that died without the harness killing
- * them (issue 15). The target is 0 on either client, and any death fails the run (exit 1), even
+ * them. The target is 0 on either client, and any death fails the run (exit 1), even
  * one of a known cause: the postgres.js crash the harness used to meet (crashes.ts) is one the
  * store now avoids (drivers/postgres/dropped-connection.ts), and on node-postgres a connection
  * error with no listener is the store's to catch. A death's cause is its known cause, or else

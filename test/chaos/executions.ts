@@ -1,4 +1,4 @@
-import type { ClaimLine, EvidenceLine, ExecStartLine, RequestLine, ResolveLine, StoreCallLine } from './evidence.js'
+import type { ClaimLine, ExecStartLine, RequestLine, ResolveLine, StoreCallLine } from './evidence.js'
 import { recordId, type Attempt, type FaultEvent, type History, type Incarnation, type Intervention, type Operation } from './history.js'
 import type { Scenario } from './scenario-routes.js'
 

@@ -8,7 +8,7 @@ import type { Scenario } from './scenario-routes.js'
  * and the violation the run must report.
  *
  * - provider-key-per-attempt: a fresh provider key on every attempt, so a re-run charges twice.
- * - abandon-stops-renewal (issue 12, case 1): once the app saw a key's client disconnect, `renew`
+ * - abandon-stops-renewal: once the app saw a key's client disconnect, `renew`
  *   returns true without renewing, as `abandon()` stopped renewal.
  * - stream-stops-renewal (case 2): the same once the response started (onSend), as renewal stopped
  *   at the start of onSend while a stream is recorded only at its end.

@@ -1,7 +1,7 @@
 import { HELD_MIN_MS, scenarioOfKey } from './scenario-routes.js'
 
 /**
- * The payments app's decision for a record left in progress (the seeds' reconciliation process: "a
+ * The payments app's decision for a record left in progress (the reconciliation process: "a
  * reconciliation process resolves records left in in_progress beyond a timeout"): when the charge
  * step completed, record the response the handler would have sent, byte for byte (the same JSON
  * from the same charge, as app.ts builds it); otherwise resume, so the next retry runs the handler

@@ -1,5 +1,5 @@
 /**
- * The chaos harness (issues 6, 12 and 15): `tsx test/chaos/run.ts [--quick] [--duration=SECONDS] [--seed=N]
+ * The chaos harness: `tsx test/chaos/run.ts [--quick] [--duration=SECONDS] [--seed=N]
  * [--redis=standalone|cluster|both] [--instances=N] [--report=FILE] [--plant=NAME] [--scenario=NAME,...]
  * [--client=postgres|pg]`.
  *
@@ -146,7 +146,7 @@ async function main (config: ChaosConfig): Promise<number> {
   const crossings = result.stats.executions.boundaries
   const boundariesMissing = BOUNDARIES.filter((boundary) => crossings[boundary] < config.minCrossings[boundary])
   const tooFew = result.stats.operations < config.minOperations
-  // Issue 15: no process may die on either client (deaths.ts); a death is a finding, like a violation.
+  // No process may die on either client (deaths.ts); a death is a finding, like a violation.
   const died = system.crashes.length > 0
   const failed = result.violations.length > 0 || died || faultsMissing.length > 0 || boundariesMissing.length > 0 || tooFew
   const report: ChaosReport = {

@@ -1,5 +1,5 @@
 /**
- * The lease-boundary situations (issue 12), shared by the app (its routes) and the harness (its
+ * The lease-boundary situations, shared by the app (its routes) and the harness (its
  * clients, the reconciler's policy, the checker's counters). Each scenario's route has a lease
  * much shorter than its handler, and some a ttl shorter than the handler too, set per route
  * (`config: { idempotency: { lease, ttl } }`); everything else in the app keeps the run's lease.

@@ -9,7 +9,7 @@ import { startFaultProxy } from '../helpers/fault-proxy.js'
 import { postgresSchema } from '../helpers/postgres-schema.js'
 
 /*
- * The unknown-outcome window end to end (issue 8): the client talks to the app through a TCP proxy
+ * The unknown-outcome window end to end: the client talks to the app through a TCP proxy
  * that, on half of the connections, destroys the client side when the server's first reply bytes
  * arrive. The server committed; the client never heard. Every logical operation must still end in
  * success, with exactly one effect, the lost answers replayed, and every answer for a key identical.

@@ -25,16 +25,16 @@ async function listen (t: Test, app: FastifyInstance): Promise<number> {
 
 t.test('client options are validated once; each error names the option and the value received', async (t) => {
   const cases: Array<[IdempotentClientOptions, string, RegExp]> = [
-    [{ maxAttempts: 0 }, 'maxAttempts', /maxAttempts must be an integer from 1 to 100; received 0 \(number\)/],
+    [{ maxAttempts: 0 }, 'maxAttempts', /maxAttempts must be an integer from 1 to 100; received 0$/],
     [{ maxAttempts: 2.5 }, 'maxAttempts', /received 2\.5/],
-    [{ timeoutMs: '10s' as unknown as number }, 'timeoutMs', /received "10s" \(string\)/],
+    [{ timeoutMs: '10s' as unknown as number }, 'timeoutMs', /received a string of 3 characters/],
     [{ deadlineMs: -1 }, 'deadlineMs', /received -1/],
     [{ backoff: { baseMs: 500, maxMs: 100 } }, 'backoff.maxMs', /from 500 to/],
     [{ backoff: 5 as unknown as object }, 'backoff', /received 5/],
-    [{ retryStatuses: [409, 422] }, 'retryStatuses', /408, 409, 425, 429 and 500 to 599; received \[409,422\]/],
+    [{ retryStatuses: [409, 422] }, 'retryStatuses', /408, 409, 425, 429 and 500 to 599; received an array of 2 items: 409, 422/],
     [{ retryStatuses: 503 as unknown as number[] }, 'retryStatuses', /received 503/],
-    [{ baseUrl: 'ftp://example.com' }, 'baseUrl', /absolute http\(s\) URL; received "ftp:\/\/example.com"/],
-    [{ baseUrl: '/relative' }, 'baseUrl', /received "\/relative"/],
+    [{ baseUrl: 'ftp://example.com' }, 'baseUrl', /absolute http\(s\) URL; received a string of 17 characters/],
+    [{ baseUrl: '/relative' }, 'baseUrl', /received a string of 9 characters/],
     [{ headers: { 'Idempotency-Key': 'k' } }, 'headers["idempotency-key"]', /pass the key as the `key` request option/],
     [{ headers: { 'bad header': 'x' } }, 'headers["bad header"]', /valid header name/],
     [{ headers: { authorization: 1 as unknown as string } }, 'headers["authorization"]', /a string; received 1/],

@@ -27,8 +27,12 @@ t.test('redirect: \'same-origin\' follows only within the origin: 307/308 repeat
     }
     if (route === 'landing' || route === undefined || !(route in locations)) {
       response.writeHead(200, { 'content-type': 'application/json' }).end(JSON.stringify({
-        method: request.method, url: request.url, key: request.headers['idempotency-key'] ?? null,
-        apiKey: request.headers['x-api-key'] ?? null, contentType: request.headers['content-type'] ?? null, body: request.body
+        method: request.method,
+        url: request.url,
+        key: request.headers['idempotency-key'] ?? null,
+        apiKey: request.headers['x-api-key'] ?? null,
+        contentType: request.headers['content-type'] ?? null,
+        body: request.body
       }))
       return
     }

@@ -484,7 +484,7 @@ function postgresSuite (url: string): void {
       t.equal(runs.get('swapped-b'), 1)
 
       // The fingerprint of another request (amount 5) copied onto a record: that request must get a
-      // 503, not the answer to amount 100 (issue 16, finding 7b).
+      // 503, not the answer to amount 100.
       await sql`UPDATE ${records} AS target SET fingerprint = source.fingerprint, fingerprint_algorithm = source.fingerprint_algorithm
         FROM ${records} AS source WHERE target.key = 'refingerprinted' AND source.key = 'other-request'`
       storeUnavailable(t, await pay('refingerprinted', { amount: 5 }))

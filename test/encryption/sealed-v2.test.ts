@@ -10,7 +10,7 @@ import type { IdempotencyPrefilter } from '../../lib/prefilter.js'
 import { PROBLEM_TYPE } from '../helpers/app.js'
 
 /*
- * Issue 16, finding 7, for someone who can write to the store while `encryption` is on:
+ * For someone who can write to the store while `encryption` is on:
  * (a) a record stored in clear was replayed as genuine (unmarked records were taken as records
  *     from before encryption): anyone with write access could plant any answer;
  * (b) the fingerprint was not in the seal's additional data, so a sealed answer re-attached to

@@ -4,7 +4,7 @@ import { CANONICAL, canonicalFingerprint, canonicalJson } from '../../lib/finger
 import { referenceDigest, referenceJson } from '../../benchmarks/canonical-reference.js'
 
 /*
- * Issue 16, finding 6: the canonical walk is iterative and hashes as it writes, and canonical-v1's
+ * The canonical walk is iterative and hashes as it writes, and canonical-v1's
  * bytes must not change, or every stored record would stop matching its retries (422). The
  * reference (benchmarks/canonical-reference.ts) is the recursive implementation records were made
  * with (lib/fingerprint.ts at f203b40), copied verbatim: the new walk must give the same text and
@@ -44,7 +44,7 @@ const HAND_PICKED: ReadonlyArray<readonly [string, unknown]> = [
   ['an array with its own toJSON (ignored, as before)', Object.assign([1, 2], { toJSON: () => 'no' })],
   ['Buffers', { bin: Buffer.from([0, 1, 2, 250, 251, 252]), empty: Buffer.alloc(0), list: [Buffer.from('hi')] }],
   ['a Uint8Array that is not a Buffer (an object keyed 0, 1, ...)', new Uint8Array([3, 1, 2, 4, 5, 6, 7, 8, 9, 10, 11])],
-  ['boxed primitives (objects without own keys)', [new Number(1), new String('s'), new Boolean(false)]],
+  ['boxed primitives (objects without own keys)', [new Number(1), new String('s'), new Boolean(false)]], // eslint-disable-line no-new-wrappers
   ['a null-prototype object', Object.assign(Object.create(null) as object, { b: 1, a: 2 })],
   ['a class instance with sorted keys', new (class Point { a = 1; b = 2 })()],
   ['nested', { items: [{ sku: 'x', qty: 1 }, { qty: 2, sku: 'y', tags: [{ b: 1, a: 0 }] }], total: 3 }],
@@ -98,7 +98,7 @@ t.test('canonical-v1 of a known request is, byte for byte, the digest stored rec
 })
 
 /*
- * Finding 6: fingerprinting a large body cost about 5x parsing it (benchmarks/fingerprint.ts has
+ * Fingerprinting a large body cost about 5x parsing it (benchmarks/fingerprint.ts has
  * the ratios). Two causes, each checked here by what the walk does rather than by how long it
  * takes: one JSON.stringify call per value, and the whole canonical text built before hashing.
  */

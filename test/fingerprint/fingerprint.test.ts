@@ -179,7 +179,7 @@ t.test('canonical mode: the same JSON with other key order and whitespace is the
   t.equal(route.runs(), 1)
 })
 
-t.test("raw mode: other key order or whitespace is a different request (422); identical bytes replay", async (t) => {
+t.test('raw mode: other key order or whitespace is a different request (422); identical bytes replay', async (t) => {
   const { app, store } = await setup(t, { fingerprint: 'raw' })
   const route = payRoute(app)
   const first = await app.inject(post('raw-1', '{"a":1,"b":2}'))

@@ -9,7 +9,7 @@ import { postgresSchema } from '../helpers/postgres-schema.js'
 import { sleep } from '../helpers/sleep.js'
 
 /*
- * Issue 16, finding 3: the stored fingerprint was an unkeyed SHA-256 of a documented form of the
+ * The stored fingerprint was an unkeyed SHA-256 of a documented form of the
  * request, in clear even with encryption on, so whoever reads the store could confirm guesses
  * about a body (a card number from its BIN and last four, in under a second). With `encryption`,
  * the stored fingerprint is HMAC-SHA-256 under a key derived from the encryption key (HKDF, info
@@ -36,8 +36,7 @@ const hmac = (id: KeyId, unkeyed: Buffer): Buffer => createHmac('sha256', macKey
 const keyedCanonical = (id: KeyId, input = CANONICAL_INPUT): Fingerprint => ({ algorithm: `hmac-canonical-v1.${id}`, digest: hmac(id, sha256(input)) })
 
 /**
- * `keys` with unsealed records accepted (the migration setting of sealed format v2, issue 16
- * finding 7, `acceptUnsealed`) where the keyring has that setting; before it, they always were.
+ * `keys` with unsealed records accepted (`acceptUnsealed`, the migration setting of sealed format v2) where the keyring has that setting; before it, they always were.
  */
 function migrating (keys: EncryptionOptions): EncryptionOptions {
   const withSetting = { ...keys, acceptUnsealed: true }

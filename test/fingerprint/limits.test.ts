@@ -5,7 +5,7 @@ import idempotency, { InvalidOptionError, memoryStore, type IdempotencyOptions }
 import { buildApp, keyed, PROBLEM_TYPE } from '../helpers/app.js'
 
 /*
- * Issue 16, finding 5: a deeply nested JSON body answered 500 ("Maximum call stack size exceeded")
+ * A deeply nested JSON body answered 500 ("Maximum call stack size exceeded")
  * with a key, where the same body without one ran: the canonical walk was recursive. It is
  * iterative now, bounded by maxBodyDepth (400 body-too-deep) and maxBodyNodes (413
  * body-too-large), both checked before anything is claimed, so nothing is recorded for the key.

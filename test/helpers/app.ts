@@ -39,7 +39,7 @@ export async function buildApp (t: Test, options: BuildOptions = {}): Promise<Fa
 export function deferred<T = void> (): { promise: Promise<T>, resolve: (value: T) => void, reject: (err: unknown) => void } {
   let resolve!: (value: T) => void
   let reject!: (err: unknown) => void
-  const promise = new Promise<T>((res, rej) => { resolve = res; reject = rej })
+  const promise = new Promise<T>((_resolve, _reject) => { resolve = _resolve; reject = _reject })
   return { promise, resolve, reject }
 }
 

@@ -10,7 +10,7 @@ import { sleep } from './sleep.js'
 import type { RecoveryStore } from './recovery-scenarios.js'
 
 /**
- * Issue 12: the lease boundaries where a second execution used to slip in, run against one store
+ * The lease boundaries where a second execution used to slip in, run against one store
  * (test/lease/boundaries.test.ts: memory; test/postgres/boundaries.test.ts: Postgres), in
  * real time. The rule they all check: a live owner keeps its key until its outcome is recorded, so
  * a retry that arrives meanwhile gets 409 (or waits), never a second execution.

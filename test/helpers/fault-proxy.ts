@@ -231,7 +231,7 @@ export function startFaultProxy (
         close (): Promise<void> {
           for (const connection of open) connection.destroy(true)
           open.clear()
-          return new Promise<void>((resolveClose) => server.close(() => resolveClose()))
+          return new Promise<void>((resolve) => server.close(() => resolve()))
         }
       })
     })

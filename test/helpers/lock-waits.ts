@@ -7,7 +7,7 @@ import type { Sql } from 'postgres'
  * On plain PostgreSQL the wait shows in `pg_stat_activity`, on the backend that carries the client's
  * application_name. On Citus the blocked statement runs on a WORKER, in a backend of Citus's own
  * (application_name `citus_internal gpid=…`), so the coordinator's `pg_stat_activity` shows the
- * client's backend merely busy (issue 15, item 5). `citus_stat_activity` shows the backends of every
+ * client's backend merely busy. `citus_stat_activity` shows the backends of every
  * node, each with the `global_pid` of the coordinator backend it works for: the client's backends
  * are found by name, then any backend, on any node, working for them that waits on a lock.
  */

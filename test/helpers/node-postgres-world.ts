@@ -80,7 +80,7 @@ export const keyed = (key: string): Record<string, string> => ({ 'idempotency-ke
 
 export function deferred (): { promise: Promise<void>, resolve: () => void } {
   let resolve!: () => void
-  const promise = new Promise<void>((r) => { resolve = r })
+  const promise = new Promise<void>((_resolve) => { resolve = _resolve })
   return { promise, resolve }
 }
 

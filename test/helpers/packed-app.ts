@@ -66,7 +66,7 @@ let packed: Promise<string> | null = null
 /**
  * The tarball `npm pack` makes of the repository, once per test process. Packed with
  * --ignore-scripts: scripts/test.mjs has just built dist/, and the prepack build would delete it
- * under the test files that read it meanwhile (test/package.test.ts checks that prepack builds).
+ * under the test files that read it meanwhile (test/package/package.test.ts checks that prepack builds).
  */
 export function tarball (): Promise<string> {
   packed ??= (async () => {

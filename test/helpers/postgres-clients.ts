@@ -1,6 +1,5 @@
 /**
- * Which PostgreSQL client a test run puts the store on (issue 15: every Postgres suite runs on
- * both). `IDEM_PG_CLIENT=pg` selects node-postgres; anything else, postgres.js. The wrappers in
+ * Which PostgreSQL client a test run puts the store on. `IDEM_PG_CLIENT=pg` selects node-postgres; anything else, postgres.js. The wrappers in
  * test/postgres/node-postgres/ set it and import the suite, so one tap run covers both clients.
  *
  * The tests keep their postgres.js client for their own reads and writes (rows in the database,

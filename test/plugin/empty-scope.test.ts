@@ -4,7 +4,7 @@ import idempotency, { InvalidOptionError, memoryStore, type IdempotencyOptions }
 import { keyed } from '../helpers/app.js'
 
 /**
- * Issue 13: a scope function that returns '' (an auth hook that did not run, a header that was not
+ * A scope function that returns '' (an auth hook that did not run, a header that was not
  * sent) would put every such caller in one key space, where one replays or blocks another's
  * operation. It is refused, as a server error the app sees in its logs, unless the app asked for it.
  */

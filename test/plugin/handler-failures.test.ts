@@ -331,7 +331,7 @@ t.test('a socket timeout (connectionTimeout) while the handler runs: the key is 
 })
 
 t.test('a client that leaves while a slow handler runs: the key stays with the live owner (409) and its outcome is recorded', async (t) => {
-  // Issue 12, case 1: lease 300 ms, handler 1.5 s, the client leaves at 200 ms and retries at
+  // Lease 300 ms, handler 1.5 s, the client leaves at 200 ms and retries at
   // 800 ms. The retry used to take the key over (the abort stopped the renewals) and charge twice.
   const LEASE = 300
   const inner = memoryStore({ purgeInterval: 0 })

@@ -3,7 +3,7 @@ import t, { type Test } from 'tap'
 import idempotency, { memoryStore, type IdempotencyStore } from '../../lib/index.js'
 
 /*
- * Issue 16, finding 2: recorded header arrays were shared by reference. The recorded headers were
+ * Recorded header arrays were shared by reference. The recorded headers were
  * the reply's own arrays, and a replay handed the recorded arrays to the reply, so an app hook that
  * appends to a header array in place (`reply.getHeader('link').push(...)` in onSend) rewrote the
  * recorded answer, for every later replay and, through the memory store's shared header sets, for

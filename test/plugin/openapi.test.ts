@@ -307,7 +307,7 @@ t.test('openapi: \'auto\' (the default) documents only when @fastify/swagger is 
 t.test('the openapi option is validated', async (t) => {
   const err = await buildApp(t, { plugin: { openapi: 'yes' as unknown as boolean } }).then(() => null, (e: unknown) => e)
   t.ok(err instanceof InvalidOptionError, 'an InvalidOptionError')
-  t.match(err, { option: 'option "openapi"', received: 'yes', message: /must be true, false, 'auto'; received 'yes'/ })
+  t.match(err, { option: 'option "openapi"', received: 'yes', message: /must be true, false, 'auto'; received a string of 3 characters/ })
 })
 
 t.test('every answer is byte-identical with and without the documentation', async (t) => {

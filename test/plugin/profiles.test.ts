@@ -5,7 +5,7 @@ import { applyProblem, buildProblemBodies } from '../../lib/problems.js'
 import { buildApp, deferred, keyed } from '../helpers/app.js'
 
 /*
- * Issue 8, item 5: `profile` chooses the shape of the plugin's error answers. 'ietf' (the default)
+ * `profile` chooses the shape of the plugin's error answers. 'ietf' (the default)
  * keeps the RFC 9457 bodies byte for byte; 'stripe' answers Stripe's error object with Stripe's
  * statuses and `Stripe-Should-Retry`, which is what Stripe's SDKs decide retries on. Every kind has
  * an answer in both; each is produced here over HTTP.

@@ -3,8 +3,7 @@ import t, { type Test } from 'tap'
 import idempotency, { InvalidOptionError, memoryStore, type IdempotencyOptions } from '../../lib/index.js'
 
 /*
- * Issue 16, finding 9: `replayHeaders` accepted credential-, session- and security-policy-style
- * names. A recorded header goes to whoever replays the key, so a challenge or a session
+ * `replayHeaders` refuses credential-, session- and security-policy-style names. A recorded header goes to whoever replays the key, so a challenge or a session
  * (`www-authenticate`, `authentication-info`, cookies), a credential echoed back, or a policy the
  * server computes per request and per origin (HSTS, CSP, `clear-site-data`, `alt-svc`, CORS) would
  * be handed to another client, or outlive the policy it was computed under. Such a name is refused

@@ -8,7 +8,7 @@ import { buildApp, deferred, eventually, keyed, PROBLEM_TYPE } from '../helpers/
 import { sleep } from '../helpers/sleep.js'
 
 /*
- * Issue 12: what happens to a key when settling its answer goes wrong (cases 6, 12, 13, 14, 15),
+ * What happens to a key when settling its answer goes wrong (cases 6, 12, 13, 14, 15),
  * and when an answer interrupts a handler that still runs. The key is never stranded in progress,
  * an answer that cannot be sent is never recorded, a bug in a route gets the answer it gets
  * without the plugin, and every decision logged is the one the store made.

@@ -15,7 +15,7 @@ import { postgresSchema } from '../helpers/postgres-schema.js'
 import { sleep } from '../helpers/sleep.js'
 
 /**
- * Issue 12, atomic mode (transaction: true) against a real PostgreSQL: retention counts from the
+ * Atomic mode (transaction: true) against a real PostgreSQL: retention counts from the
  * commit (case 7), no handler query reaches the connection once the request's transaction ended
  * (case 8), a COMMIT whose outcome is unknown is never answered as a rollback (case 9), and a
  * stream of string chunks is recorded like any other (case 10). The store runs on the client under
@@ -92,57 +92,61 @@ function suite (url: string): void {
   })
 
   // postgres.js: tagged templates (sent when awaited), savepoint handles, unsafe() and file().
-  if (CLIENT === 'postgres') t.test('case 8: no query reaches the connection after the transaction ended, whichever handle or timing', async (t) => {
-    const w = await world(t)
-    const attempts: Array<() => Promise<unknown>> = []
-    const dir = mkdtempSync(path.join(tmpdir(), 'idem-file-'))
-    t.teardown(() => rmSync(dir, { recursive: true, force: true }))
-    const fileWithInsert = path.join(dir, 'insert.sql')
-    writeFileSync(fileWithInsert, `INSERT INTO ${schema}.payments (key, note) VALUES ('leak', 'file')`)
-    w.app.post('/leak', async (request, reply) => {
-      const tx = transactionOf(request)
-      // A query built now and awaited only after the transaction ended.
-      const built = tx`INSERT INTO ${tx(schema)}.payments (key, note) VALUES ('leak', 'built before the end')`
-      attempts.push(async () => await built)
-      // A savepoint's handle kept past the savepoint and the transaction.
-      let kept!: TransactionSql<any>
-      await tx.savepoint(async (savepoint) => {
-        kept = savepoint
-        await savepoint`SELECT 1`
+  if (CLIENT === 'postgres') {
+    t.test('case 8: no query reaches the connection after the transaction ended, whichever handle or timing', async (t) => {
+      const w = await world(t)
+      const attempts: Array<() => Promise<unknown>> = []
+      const dir = mkdtempSync(path.join(tmpdir(), 'idem-file-'))
+      t.teardown(() => rmSync(dir, { recursive: true, force: true }))
+      const fileWithInsert = path.join(dir, 'insert.sql')
+      writeFileSync(fileWithInsert, `INSERT INTO ${schema}.payments (key, note) VALUES ('leak', 'file')`)
+      w.app.post('/leak', async (request, reply) => {
+        const tx = transactionOf(request)
+        // A query built now and awaited only after the transaction ended.
+        const built = tx`INSERT INTO ${tx(schema)}.payments (key, note) VALUES ('leak', 'built before the end')`
+        attempts.push(async () => await built)
+        // A savepoint's handle kept past the savepoint and the transaction.
+        let kept!: TransactionSql<any>
+        await tx.savepoint(async (savepoint) => {
+          kept = savepoint
+          await savepoint`SELECT 1`
+        })
+        attempts.push(async () => await kept`INSERT INTO ${kept(schema)}.payments (key, note) VALUES ('leak', 'savepoint handle')`)
+        attempts.push(async () => await tx.unsafe(`INSERT INTO ${schema}.payments (key, note) VALUES ('leak', 'unsafe')`))
+        attempts.push(async () => await tx.file(fileWithInsert))
+        return reply.code(500).send({ error: 'the handler fails: everything rolls back' })
       })
-      attempts.push(async () => await kept`INSERT INTO ${kept(schema)}.payments (key, note) VALUES ('leak', 'savepoint handle')`)
-      attempts.push(async () => await tx.unsafe(`INSERT INTO ${schema}.payments (key, note) VALUES ('leak', 'unsafe')`))
-      attempts.push(async () => await tx.file(fileWithInsert))
-      return reply.code(500).send({ error: 'the handler fails: everything rolls back' })
-    })
 
-    t.equal((await w.post('/leak', 'leak')).statusCode, 500)
-    await sleep(50) // the rollback has happened, and the connection is back in the pool
-    for (const attempt of attempts) {
-      await t.rejects(attempt(), /transaction has ended/, 'refused')
-    }
-    await sleep(50)
-    t.equal(await payments('leak'), 0, 'nothing was written outside the transaction')
-  })
+      t.equal((await w.post('/leak', 'leak')).statusCode, 500)
+      await sleep(50) // the rollback has happened, and the connection is back in the pool
+      for (const attempt of attempts) {
+        await t.rejects(attempt(), /transaction has ended/, 'refused')
+      }
+      await sleep(50)
+      t.equal(await payments('leak'), 0, 'nothing was written outside the transaction')
+    })
+  }
 
   // postgres.js's file() (node-postgres has none).
-  if (CLIENT === 'postgres') t.test('case 8: a file() query whose read outlasts the transaction is refused when it would be sent', async (t) => {
-    const w = await world(t)
-    let pending: Promise<unknown> | null = null
-    const dir = mkdtempSync(path.join(tmpdir(), 'idem-file-'))
-    t.teardown(() => rmSync(dir, { recursive: true, force: true }))
-    const file = path.join(dir, 'insert.sql')
-    writeFileSync(file, `INSERT INTO ${schema}.payments (key, note) VALUES ('file-late', 'x')`)
-    w.app.post('/file', async (request, reply) => {
-      const tx = transactionOf(request)
-      pending = tx.file(file).catch((err: unknown) => err)
-      return reply.code(500).send({ error: 'rolled back' })
+  if (CLIENT === 'postgres') {
+    t.test('case 8: a file() query whose read outlasts the transaction is refused when it would be sent', async (t) => {
+      const w = await world(t)
+      let pending: Promise<unknown> | null = null
+      const dir = mkdtempSync(path.join(tmpdir(), 'idem-file-'))
+      t.teardown(() => rmSync(dir, { recursive: true, force: true }))
+      const file = path.join(dir, 'insert.sql')
+      writeFileSync(file, `INSERT INTO ${schema}.payments (key, note) VALUES ('file-late', 'x')`)
+      w.app.post('/file', async (request, reply) => {
+        const tx = transactionOf(request)
+        pending = tx.file(file).catch((err: unknown) => err)
+        return reply.code(500).send({ error: 'rolled back' })
+      })
+      t.equal((await w.post('/file', 'file-late')).statusCode, 500)
+      const outcome = await pending
+      t.match(String(outcome), /transaction has ended/)
+      t.equal(await payments('file-late'), 0)
     })
-    t.equal((await w.post('/file', 'file-late')).statusCode, 500)
-    const outcome = await pending
-    t.match(String(outcome), /transaction has ended/)
-    t.equal(await payments('file-late'), 0)
-  })
+  }
 
   // node-postgres's PoolClient: query() in its promise, callback and submittable forms, and release().
   if (CLIENT === 'pg') {

@@ -33,7 +33,7 @@ const FIXTURE = fileURLToPath(new URL('../fixtures/postgres-atomic-server.ts', i
 const keyed = (key: string): Record<string, string> => ({ 'idempotency-key': `"${key}"`, 'content-type': 'application/json' })
 function deferred (): { promise: Promise<void>, resolve: () => void } {
   let resolve!: () => void
-  const promise = new Promise<void>((r) => { resolve = r })
+  const promise = new Promise<void>((_resolve) => { resolve = _resolve })
   return { promise, resolve }
 }
 /**

@@ -5,7 +5,7 @@ import { CLIENT_NAME, endPools, storeConnection } from '../helpers/postgres-clie
 import { postgresSchema } from '../helpers/postgres-schema.js'
 
 /**
- * Issue 12's lease boundaries on Postgres (lease mode), the same scenarios as on the memory store.
+ * The lease boundaries on Postgres (lease mode), the same scenarios as on the memory store.
  * The store runs on the client under test (test/helpers/postgres-clients.ts; the node-postgres run:
  * test/postgres/node-postgres/boundaries.test.ts).
  */

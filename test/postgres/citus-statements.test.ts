@@ -54,7 +54,7 @@ t.test('the checker finds the forms Citus refuses, and passes the ones it accept
   for (const text of refused) t.not(citusViolations(text).length, 0, text)
   const accepted = [
     "UPDATE r SET expires_at = greatest(nullif(expires_at, 'infinity'), now() + $4::float8 * interval '1 millisecond') WHERE scope = $1 AND key = $2",
-    "SELECT CASE WHEN expires_at > now() THEN body END FROM r WHERE scope = $1 AND key = $2 -- CASE WHEN now() in a comment",
+    'SELECT CASE WHEN expires_at > now() THEN body END FROM r WHERE scope = $1 AND key = $2 -- CASE WHEN now() in a comment',
     "UPDATE r SET note = 'CASE WHEN now() END; DROP TABLE x' WHERE scope = $1",
     'WITH claimed AS (INSERT INTO r (scope, key, expires_at) VALUES ($1, $2, now()) ON CONFLICT (scope, key) DO NOTHING RETURNING true AS acquired) SELECT acquired FROM claimed UNION ALL SELECT CASE WHEN expires_at > now() THEN true END FROM r WHERE scope = $1',
     'DELETE FROM r WHERE expires_at <= now() AND (scope, key) IN (SELECT scope, key FROM r WHERE expires_at <= now() LIMIT $1::int)',

@@ -51,8 +51,13 @@ function suite (url: string): void {
 
   async function instance (crash: string, worker = false): Promise<ChildApp> {
     const app = await spawnFixture(t, FIXTURE, {
-      DATABASE_URL: url, IDEM_SCHEMA: schema, IDEM_TABLE: table, PROVIDER_URL: provider.url,
-      IDEM_LEASE: String(LEASE), IDEM_CRASH: crash, IDEM_WORKER: worker ? '1' : ''
+      DATABASE_URL: url,
+      IDEM_SCHEMA: schema,
+      IDEM_TABLE: table,
+      PROVIDER_URL: provider.url,
+      IDEM_LEASE: String(LEASE),
+      IDEM_CRASH: crash,
+      IDEM_WORKER: worker ? '1' : ''
     })
     // A run meant for node-postgres must not pass on postgres.js: the fixture says which client it runs on.
     if (await app.next('client') !== CLIENT) throw new Error(`the fixture does not run its store on ${CLIENT}`)

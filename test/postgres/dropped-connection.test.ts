@@ -78,7 +78,7 @@ function suite (url: string): void {
     children.add(child)
     child.once('exit', () => { children.delete(child) })
     return new Promise((resolve, reject) => {
-      let stderr = ''
+      const stderr = ''
       const instance = { child, port: 0, stderr }
       child.stderr?.on('data', (chunk: Buffer) => { instance.stderr = (instance.stderr + chunk.toString()).slice(-8_000) })
       child.once('exit', (code) => reject(new Error(`the fixture exited (${String(code)}) before listening: ${instance.stderr}`)))

@@ -7,7 +7,7 @@ import { sleep } from '../helpers/sleep.js'
 
 /**
  * The lock-wait probe of the Postgres tests (test/helpers/lock-waits.ts), on plain PostgreSQL and
- * on the shape Citus gives the same wait (issue 15, item 5). Citus cannot run here, so its
+ * on the shape Citus gives the same wait. Citus cannot run here, so its
  * `citus_stat_activity` is modelled by a view with the same leading columns over this server's
  * pg_stat_activity: the client's backend is a "coordinator" backend with global_pid
  * 10000000000 + pid, and the backend that actually waits on the row is a "worker" one, named

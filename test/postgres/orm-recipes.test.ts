@@ -15,9 +15,9 @@ import { endPools, poolLike } from '../helpers/postgres-clients.js'
 import { postgresSchema } from '../helpers/postgres-schema.js'
 
 /**
- * Issue 15, ORMs in atomic mode: each recipe of docs/drivers.md ("ORMs in atomic mode"), run as
+ * ORMs in atomic mode: each recipe of docs/drivers.md ("ORMs in atomic mode"), run as
  * written against PostgreSQL (DATABASE_URL). The recipes are the docs' own ```ts blocks, transpiled
- * and imported (so a test cannot drift from the page: test/docs.test.ts type-checks the same blocks).
+ * and imported (so a test cannot drift from the page: test/docs/docs.test.ts type-checks the same blocks).
  * Drizzle runs on both clients, Kysely on node-postgres; each recipe on the client it is written for.
  *
  * drizzle-orm lives in test/orm/node_modules (scripts/test.mjs installs it): the transpiled recipes

@@ -143,8 +143,8 @@ function suite (url: string): void {
     const bad: Array<[Record<string, unknown>, RegExp]> = [
       [{}, /option "sql" or "pool" must be a postgres \(porsager\) client as \{ sql \}, or a node-postgres Pool as \{ pool \}; received undefined/],
       [{ sql: {} }, /option "sql"/],
-      [{ sql, schema: '' }, /option "schema" must be a non-empty identifier.*received ''/],
-      [{ sql, schema: 'a.b' }, /option "schema".*without dots.*received 'a\.b'/],
+      [{ sql, schema: '' }, /option "schema" must be a non-empty identifier.*received a string of 0 characters/],
+      [{ sql, schema: 'a.b' }, /option "schema".*without dots.*received a string of 3 characters/],
       [{ sql, table: 'x'.repeat(64) }, /option "table" must be a non-empty identifier of at most 63 bytes/],
       [{ sql, table: 5 }, /option "table".*received 5/],
       [{ sql, purgeInterval: -1 }, /option "purgeInterval" must be an integer from 0 to 2147483647; received -1/],

@@ -25,8 +25,7 @@ function parse (argv: readonly string[]): Arguments {
     }
     if (name === '--seeds') args.seeds = Number(value())
     else if (name === '--from') args.from = Number(value())
-    else if (name === '--seed') { args.from = Number(value()); args.seeds = 1 }
-    else if (name === '--trace') args.trace = true
+    else if (name === '--seed') { args.from = Number(value()); args.seeds = 1 } else if (name === '--trace') args.trace = true
     else if (name === '--plant') args.plant = value()
     else if (name === '--budget-ms') args.budgetMs = Number(value())
     else throw new Error(`unknown argument ${name}`)

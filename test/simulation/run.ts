@@ -110,10 +110,15 @@ export async function simulate (seed: number, instances: readonly FastifyInstanc
   const prefilterModel = new PrefilterModel()
   const requestOf = (): number | null => requestContext.getStore() ?? null
   const flightOf = (request: number | null): Flight | undefined => request === null ? undefined : flights.get(request)
-  current.store = planted(storeOn(model, network, requestOf), plant, { flightOf: (id) => {
-    const flight = flightOf(id)
-    return flight === undefined ? null : { route: flight.plan.route, request: flight.request, handlerStarted: flight.handlerStartedAt !== null }
-  }, requestOf, trace, lease: LEASE })
+  current.store = planted(storeOn(model, network, requestOf), plant, {
+    flightOf: (id) => {
+      const flight = flightOf(id)
+      return flight === undefined ? null : { route: flight.plan.route, request: flight.request, handlerStarted: flight.handlerStartedAt !== null }
+    },
+    requestOf,
+    trace,
+    lease: LEASE
+  })
   current.prefilter = prefilterOn(prefilterModel, network, requestOf)
   network.onDeliver = (call: CallRecord) => {
     const flight = flightOf(call.request)
@@ -203,8 +208,21 @@ export async function simulate (seed: number, instances: readonly FastifyInstanc
 
   const start = (plan: Plan): void => {
     const flight: Flight = flights.get(plan.id) ?? {
-      plan, request: null, answered: false, aborted: false, status: null, body: '', replayed: false, respondedAt: null, abortedAt: null,
-      timedOutAt: null, phaseAtTimeout: null, handlerStartedAt: null, acquiredAt: null, acquiredAnswerAt: null, tries: 0
+      plan,
+      request: null,
+      answered: false,
+      aborted: false,
+      status: null,
+      body: '',
+      replayed: false,
+      respondedAt: null,
+      abortedAt: null,
+      timedOutAt: null,
+      phaseAtTimeout: null,
+      handlerStartedAt: null,
+      acquiredAt: null,
+      acquiredAnswerAt: null,
+      tries: 0
     }
     flight.tries++
     flight.answered = false

@@ -4,7 +4,7 @@ import idempotency, { memoryStore, type IdempotencyOptions } from '../../lib/ind
 import { keyed, PROBLEM_TYPE } from '../helpers/app.js'
 
 /**
- * Issue 13, finding 2: on a default Fastify instance (maxParamLength 100) the status route must
+ * On a default Fastify instance (maxParamLength 100) the status route must
  * answer for every key the plugin accepts, and an over-long key gets the documented 400 problem,
  * not the router's 414.
  */

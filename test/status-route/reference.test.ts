@@ -4,7 +4,7 @@ import t, { type Test } from 'tap'
 import idempotency, { memoryStore, type IdempotencyKeyStatus, type IdempotencyOptions } from '../../lib/index.js'
 
 /*
- * Issue 16, finding 8: the status route showed a `rebuild` record's internal reference as its body,
+ * The status route showed a `rebuild` record's internal reference as its body,
  * with the internal marker field among the headers: data the client was never sent. The status
  * route does not know which route recorded the key (nor its rebuild function, its serializer or
  * the original request a rebuild may read), so it answers such a record with its status and its

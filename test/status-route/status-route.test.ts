@@ -9,7 +9,7 @@ import { postgresStore, type PostgresClient } from '../../drivers/postgres/index
 import { deferred, PROBLEM_TYPE } from '../helpers/app.js'
 
 /*
- * Issue 8, item 1: `statusRoute` adds GET <url>/:key, where a caller asks about its own key. It
+ * `statusRoute` adds GET <url>/:key, where a caller asks about its own key. It
  * reads (store.get), never claims; it is scoped like claims, so another principal's key answers
  * exactly like an unknown one; it gets the app's own hooks (authentication) like any route declared
  * where the plugin is registered. Run against the memory store and PostgreSQL.

@@ -357,7 +357,7 @@ function suite (url: string): void {
     t.teardown(async () => { await proxy?.close() })
     const proxied = (): string => { const through = new URL(url); through.hostname = '127.0.0.1'; through.port = String(proxy?.port); return through.toString() }
 
-    t.test("while the handler runs, no query in flight (ECONNRESET on the held client): 500 not-committed", async (t) => {
+    t.test('while the handler runs, no query in flight (ECONNRESET on the held client): 500 not-committed', async (t) => {
       const app = await start(t, 'reset-handler', proxied())
       const answer = pay(app, 'reset-handler', 'hold')
       const { pid } = await app.next('held') as { pid: number }

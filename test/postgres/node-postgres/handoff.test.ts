@@ -9,7 +9,7 @@ import { postgresSchema } from '../../helpers/postgres-schema.js'
  * idle listener off the client before it hands it over, and `pool.connect()`'s promise lets the
  * driver attach its own only a microtask later; an error parsed in between was emitted on a
  * client with no 'error' listener, which threw and ended the process (the chaos harness's
- * node-postgres run died of it: issue 15). The fixture (test/fixtures/node-postgres-handoff.ts)
+ * node-postgres run can die of it). The fixture (test/fixtures/node-postgres-handoff.ts)
  * brings the two together by holding its event loop while both arrive; without the driver's
  * callback check-out it dies on every run.
  */

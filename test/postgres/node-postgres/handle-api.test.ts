@@ -1,10 +1,10 @@
 import Fastify, { type FastifyInstance, type FastifyRequest } from 'fastify'
 import pg from 'pg'
 import t, { type Test } from 'tap'
-import idempotency from '../lib/index.js'
-import type { PostgresStore } from '../drivers/postgres/index.js'
-import { keyed, nodePostgresWorld, poolClientOf } from './helpers/node-postgres-world.js'
-import { sleep } from './helpers/sleep.js'
+import idempotency from '../../../lib/index.js'
+import type { PostgresStore } from '../../../drivers/postgres/index.js'
+import { keyed, nodePostgresWorld, poolClientOf } from '../../helpers/node-postgres-world.js'
+import { sleep } from '../../helpers/sleep.js'
 
 /**
  * Atomic mode on node-postgres: `request.idempotency.sql` is the transaction's PoolClient, and
@@ -18,7 +18,7 @@ import { sleep } from './helpers/sleep.js'
 
 const DATABASE_URL = process.env.DATABASE_URL
 if (DATABASE_URL === undefined || DATABASE_URL === '') {
-  t.fail('DATABASE_URL is not set: run `node scripts/test.mjs test/node-postgres-handle-api.test.ts` (it provisions a throwaway PostgreSQL).')
+  t.fail('DATABASE_URL is not set: run `node scripts/test.mjs test/postgres/node-postgres/handle-api.test.ts` (it provisions a throwaway PostgreSQL).')
 } else {
   suite(DATABASE_URL)
 }

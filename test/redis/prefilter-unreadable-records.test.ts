@@ -1,9 +1,9 @@
 import { createHash, randomBytes } from 'node:crypto'
 import { Redis } from 'ioredis'
 import t from 'tap'
-import { redisPrefilter } from '../drivers/redis/index.js'
-import { FIELD, recordKey } from '../drivers/redis/keys.js'
-import type { RecordId } from '../lib/store.js'
+import { redisPrefilter } from '../../drivers/redis/index.js'
+import { FIELD, recordKey } from '../../drivers/redis/keys.js'
+import type { RecordId } from '../../lib/store.js'
 
 /**
  * The Redis pre-filter reads back only records it understands: a hash under its key that it cannot
@@ -14,7 +14,7 @@ import type { RecordId } from '../lib/store.js'
 
 const REDIS_URL = process.env.REDIS_URL
 if (REDIS_URL === undefined) {
-  t.fail('REDIS_URL must be set: run `node scripts/test.mjs test/redis-prefilter-unreadable-records.test.ts` (it starts a throwaway Redis server).')
+  t.fail('REDIS_URL must be set: run `node scripts/test.mjs test/redis/prefilter-unreadable-records.test.ts` (it starts a throwaway Redis server).')
 } else {
   const client = new Redis(REDIS_URL, { maxRetriesPerRequest: 1 })
   const prefix = `unreadable-${randomBytes(4).toString('hex')}`

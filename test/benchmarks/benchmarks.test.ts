@@ -4,10 +4,10 @@ import { tmpdir } from 'node:os'
 import { join } from 'node:path'
 import { fileURLToPath } from 'node:url'
 import t from 'tap'
-import { chart } from '../benchmarks/chart.js'
-import { scenarios } from '../benchmarks/scenarios.js'
-import { readSummary, SUMMARY, writeSection, type Summary } from '../benchmarks/summary-file.js'
-import { evaluateTargets, TARGETS } from '../benchmarks/targets.js'
+import { chart } from '../../benchmarks/chart.js'
+import { scenarios } from '../../benchmarks/scenarios.js'
+import { readSummary, SUMMARY, writeSection, type Summary } from '../../benchmarks/summary-file.js'
+import { evaluateTargets, TARGETS } from '../../benchmarks/targets.js'
 
 /**
  * The benchmark scripts run in quick mode and write their sections of a summary file; the committed
@@ -17,7 +17,7 @@ import { evaluateTargets, TARGETS } from '../benchmarks/targets.js'
  * Uses the suite's DATABASE_URL/REDIS_URL.
  */
 
-const root = fileURLToPath(new URL('..', import.meta.url))
+const root = fileURLToPath(new URL('../..', import.meta.url))
 // The quick runs' fixed load durations and server starts, more when another test file shares the cores.
 t.setTimeout(300_000)
 

@@ -1,7 +1,7 @@
 import type { FastifyInstance, FastifySchema, RouteOptions } from 'fastify'
 import t, { type Test } from 'tap'
-import type { IdempotencyOptions } from '../lib/index.js'
-import { buildApp } from './helpers/app.js'
+import type { IdempotencyOptions } from '../../lib/index.js'
+import { buildApp } from '../helpers/app.js'
 
 /**
  * What the plugin writes into a protected route's schema (lib/openapi.ts) for the shapes a route's

@@ -1,8 +1,8 @@
 import { createHash } from 'node:crypto'
 import t, { type Test } from 'tap'
-import { memoryStore, type MemoryStore } from '../lib/index.js'
-import type { Fingerprint } from '../lib/store.js'
-import { manualClock } from './helpers/app.js'
+import { memoryStore, type MemoryStore } from '../../lib/index.js'
+import type { Fingerprint } from '../../lib/store.js'
+import { manualClock } from '../helpers/app.js'
 
 /**
  * What a reconcile pass does with each resolution `resolve` returns: a response given as bytes is

@@ -1,8 +1,8 @@
 import { createHash } from 'node:crypto'
 import t, { type Test } from 'tap'
-import { memoryStore, type MemoryStore } from '../lib/index.js'
-import type { Fingerprint, Lease } from '../lib/store.js'
-import { manualClock } from './helpers/app.js'
+import { memoryStore, type MemoryStore } from '../../lib/index.js'
+import type { Fingerprint, Lease } from '../../lib/store.js'
+import { manualClock } from '../helpers/app.js'
 
 /**
  * A reconcile pass on records that change hands while it runs: an operator force-releases the

@@ -1,5 +1,5 @@
 import t from 'tap'
-import { HeaderSets, Slabs } from '../drivers/memory-packing.js'
+import { HeaderSets, Slabs } from '../../drivers/memory-packing.js'
 
 /**
  * The memory store shares slabs between records of one ttl and header sets between records with

@@ -1,6 +1,6 @@
 import t from 'tap'
-import { connectionState, isConnectionError } from '../drivers/postgres/dropped-connection.js'
-import { isNodePostgresConnectionError } from '../drivers/postgres/node-postgres.js'
+import { connectionState, isConnectionError } from '../../drivers/postgres/dropped-connection.js'
+import { isNodePostgresConnectionError } from '../../drivers/postgres/node-postgres.js'
 
 /**
  * Which errors tell the Postgres driver that a transaction's connection is gone (after which it

@@ -1,12 +1,12 @@
 import Fastify, { type FastifyInstance, type LightMyRequestResponse } from 'fastify'
 import t, { type Test } from 'tap'
-import idempotency, { InvalidOptionError, memoryStore, type IdempotencyOptions } from '../lib/index.js'
-import { buildApp, keyed, manualClock, PROBLEM_TYPE } from './helpers/app.js'
+import idempotency, { InvalidOptionError, memoryStore, type IdempotencyOptions } from '../../lib/index.js'
+import { buildApp, keyed, manualClock, PROBLEM_TYPE } from '../helpers/app.js'
 
 /*
  * Options are validated once, at registration (global) or when a route is added (route config); a
  * bad value is an InvalidOptionError naming the option and describing the value received (a number
- * or boolean as it is, anything else by its kind: test/option-errors.test.ts), never a silent
+ * or boolean as it is, anything else by its kind: test/plugin/option-errors.test.ts), never a silent
  * fallback. Valid route overrides take effect on their route only.
  */
 

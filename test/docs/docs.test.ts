@@ -5,10 +5,10 @@ import path from 'node:path'
 import Fastify from 'fastify'
 import postgres from 'postgres'
 import t, { type Test } from 'tap'
-import idempotency from '../lib/index.js'
-import { tsc, tsconfig } from './helpers/consumer.js'
-import { anchors, codeBlocks, links, markdownPages, REPOSITORY, ROOT, type CodeBlock } from './helpers/markdown.js'
-import { documentedPackages, installedBy, packedApp } from './helpers/packed-app.js'
+import idempotency from '../../lib/index.js'
+import { tsc, tsconfig } from '../helpers/consumer.js'
+import { anchors, codeBlocks, links, markdownPages, REPOSITORY, ROOT, type CodeBlock } from '../helpers/markdown.js'
+import { documentedPackages, installedBy, packedApp } from '../helpers/packed-app.js'
 
 /**
  * The documentation as a reader meets it: every TypeScript example compiles in an app that has the

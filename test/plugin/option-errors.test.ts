@@ -4,11 +4,11 @@ import { Redis } from 'ioredis'
 import pg from 'pg'
 import postgres from 'postgres'
 import t, { type Test } from 'tap'
-import { createIdempotentClient, InvalidOptionError as ClientOptionError } from '../client/index.js'
-import { describeValue } from '../client/describe-value.js'
-import idempotency, { InvalidOptionError, memoryStore, type IdempotencyOptions } from '../lib/index.js'
-import { migrate, postgresStore, type PostgresStoreOptions } from '../drivers/postgres/index.js'
-import { redisPrefilter, type RedisPrefilterOptions } from '../drivers/redis/index.js'
+import { createIdempotentClient, InvalidOptionError as ClientOptionError } from '../../client/index.js'
+import { describeValue } from '../../client/describe-value.js'
+import idempotency, { InvalidOptionError, memoryStore, type IdempotencyOptions } from '../../lib/index.js'
+import { migrate, postgresStore, type PostgresStoreOptions } from '../../drivers/postgres/index.js'
+import { redisPrefilter, type RedisPrefilterOptions } from '../../drivers/redis/index.js'
 
 /**
  * An option error names the option and describes the value by its kind, never by its content:

@@ -1,5 +1,5 @@
 import t from 'tap'
-import { consumerProject, run, tsc, tsconfig } from './helpers/consumer.js'
+import { consumerProject, run, tsc, tsconfig } from '../helpers/consumer.js'
 
 /**
  * The package is ESM-only, and what the README says about CommonJS and TypeScript consumers holds

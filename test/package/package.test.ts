@@ -2,9 +2,9 @@ import { cpSync, mkdtempSync, readFileSync, rmSync, symlinkSync } from 'node:fs'
 import os from 'node:os'
 import path from 'node:path'
 import t from 'tap'
-import { run, tsc, tsconfig } from './helpers/consumer.js'
-import { links, markdownPages, ROOT } from './helpers/markdown.js'
-import { packedApp } from './helpers/packed-app.js'
+import { run, tsc, tsconfig } from '../helpers/consumer.js'
+import { links, markdownPages, ROOT } from '../helpers/markdown.js'
+import { packedApp } from '../helpers/packed-app.js'
 
 /**
  * What `npm pack` puts in the tarball is complete (license, readme, docs, types, every export, the

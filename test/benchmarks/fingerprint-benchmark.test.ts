@@ -4,7 +4,7 @@ import { tmpdir } from 'node:os'
 import { join } from 'node:path'
 import { fileURLToPath } from 'node:url'
 import t from 'tap'
-import { readSummary } from '../benchmarks/summary-file.js'
+import { readSummary } from '../../benchmarks/summary-file.js'
 
 /*
  * `npm run bench:fingerprint -- --quick` runs and writes its section of a summary file. No figure
@@ -12,7 +12,7 @@ import { readSummary } from '../benchmarks/summary-file.js'
  * when the fingerprint and the reference implementation disagree on a body's digest.
  */
 
-const root = fileURLToPath(new URL('..', import.meta.url))
+const root = fileURLToPath(new URL('../..', import.meta.url))
 
 t.test('npm run bench:fingerprint -- --quick writes the fingerprint section', async (t) => {
   const dir = mkdtempSync(join(tmpdir(), 'idem-bench-fp-'))

@@ -1,11 +1,11 @@
 import { createHash, randomUUID } from 'node:crypto'
 import postgres from 'postgres'
 import t from 'tap'
-import { postgresStore, type PostgresStore } from '../drivers/postgres/index.js'
-import type { ClaimRequest, Fingerprint } from '../lib/store.js'
-import { eventually } from './helpers/app.js'
-import { postgresSchema } from './helpers/postgres-schema.js'
-import { sleep } from './helpers/sleep.js'
+import { postgresStore, type PostgresStore } from '../../drivers/postgres/index.js'
+import type { ClaimRequest, Fingerprint } from '../../lib/store.js'
+import { eventually } from '../helpers/app.js'
+import { postgresSchema } from '../helpers/postgres-schema.js'
+import { sleep } from '../helpers/sleep.js'
 
 /**
  * The Postgres store's answers at its edges, through its own interface (as the plugin and the
@@ -22,7 +22,7 @@ const response = { statusCode: 201, headers: { 'content-type': 'text/plain' }, b
 
 const DATABASE_URL = process.env.DATABASE_URL
 if (DATABASE_URL === undefined || DATABASE_URL === '') {
-  t.fail('DATABASE_URL is not set: run `node scripts/test.mjs test/postgres-store-edges.test.ts` (it provisions a throwaway PostgreSQL).')
+  t.fail('DATABASE_URL is not set: run `node scripts/test.mjs test/postgres/store-edges.test.ts` (it provisions a throwaway PostgreSQL).')
 } else {
   suite(DATABASE_URL)
 }

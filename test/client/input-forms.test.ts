@@ -1,5 +1,5 @@
 import t from 'tap'
-import { createIdempotentClient, InvalidOptionError, type FetchLike } from '../client/index.js'
+import { createIdempotentClient, InvalidOptionError, type FetchLike } from '../../client/index.js'
 
 /**
  * The forms the client's inputs may take beyond the common ones: a path given as a URL, with and

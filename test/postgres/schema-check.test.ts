@@ -16,7 +16,7 @@ import { keyed } from '../helpers/app.js'
 
 const DATABASE_URL = process.env.DATABASE_URL
 if (DATABASE_URL === undefined || DATABASE_URL === '') {
-  t.fail('DATABASE_URL is not set: run `node scripts/test.mjs test/drivers/postgres-schema-check.test.ts` (it provisions a throwaway PostgreSQL).')
+  t.fail('DATABASE_URL is not set: run `node scripts/test.mjs test/postgres/schema-check.test.ts` (it provisions a throwaway PostgreSQL).')
 } else {
   suite(DATABASE_URL)
 }

@@ -1,5 +1,5 @@
 import t from 'tap'
-import { createIdempotentClient, NoAnswerError, type FetchLike } from '../client/index.js'
+import { createIdempotentClient, NoAnswerError, type FetchLike } from '../../client/index.js'
 
 /**
  * How the client gives up when no attempt got an answer: a NoAnswerError that says why (the

@@ -1,5 +1,5 @@
 import t from 'tap'
-import { createIdempotentClient, type FetchLike } from '../client/index.js'
+import { createIdempotentClient, type FetchLike } from '../../client/index.js'
 
 /**
  * The client's own wait between attempts (no `sleep` option): a timer, with or without the

@@ -2,10 +2,10 @@ import Fastify from 'fastify'
 import pg from 'pg'
 import postgres from 'postgres'
 import t from 'tap'
-import idempotency from '../lib/index.js'
-import { postgresStore, type PostgresStore } from '../drivers/postgres/index.js'
-import { postgresSchema } from './helpers/postgres-schema.js'
-import { sleep } from './helpers/sleep.js'
+import idempotency from '../../lib/index.js'
+import { postgresStore, type PostgresStore } from '../../drivers/postgres/index.js'
+import { postgresSchema } from '../helpers/postgres-schema.js'
+import { sleep } from '../helpers/sleep.js'
 
 /**
  * The transactional outbox refuses a message it could not deliver as written (a topic that is not
@@ -19,7 +19,7 @@ const keyed = (key: string): Record<string, string> => ({ 'idempotency-key': `"$
 
 const DATABASE_URL = process.env.DATABASE_URL
 if (DATABASE_URL === undefined || DATABASE_URL === '') {
-  t.fail('DATABASE_URL is not set: run `node scripts/test.mjs test/postgres-outbox-refusals.test.ts` (it provisions a throwaway PostgreSQL).')
+  t.fail('DATABASE_URL is not set: run `node scripts/test.mjs test/postgres/outbox-refusals.test.ts` (it provisions a throwaway PostgreSQL).')
 } else {
   suite(DATABASE_URL)
 }

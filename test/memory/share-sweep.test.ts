@@ -1,8 +1,8 @@
 import { createHash } from 'node:crypto'
 import t from 'tap'
-import { memoryStore, MemoryStoreFullError } from '../lib/index.js'
-import type { ClaimRequest, Fingerprint } from '../lib/store.js'
-import { manualClock } from './helpers/app.js'
+import { memoryStore, MemoryStoreFullError } from '../../lib/index.js'
+import type { ClaimRequest, Fingerprint } from '../../lib/store.js'
+import { manualClock } from '../helpers/app.js'
 
 /**
  * The memory store's per-scope shares when a scope reaches its own: it first sweeps its own expired

@@ -1,8 +1,8 @@
 import { createHash } from 'node:crypto'
 import t from 'tap'
-import { memoryStore } from '../lib/index.js'
-import type { ClaimRequest, Fingerprint, Lease } from '../lib/store.js'
-import { manualClock } from './helpers/app.js'
+import { memoryStore } from '../../lib/index.js'
+import type { ClaimRequest, Fingerprint, Lease } from '../../lib/store.js'
+import { manualClock } from '../helpers/app.js'
 
 /**
  * The memory store's fencing: a lease that no longer owns its record (taken over by a retry, or the

@@ -1,10 +1,10 @@
 import { createHash } from 'node:crypto'
 import pg from 'pg'
 import t from 'tap'
-import { postgresStore } from '../drivers/postgres/index.js'
-import { parseTimestamp } from '../drivers/postgres/node-postgres-types.js'
-import type { Fingerprint } from '../lib/store.js'
-import { postgresSchema } from './helpers/postgres-schema.js'
+import { postgresStore } from '../../../drivers/postgres/index.js'
+import { parseTimestamp } from '../../../drivers/postgres/node-postgres-types.js'
+import type { Fingerprint } from '../../../lib/store.js'
+import { postgresSchema } from '../../helpers/postgres-schema.js'
 
 /**
  * node-postgres hands the store its rows as text, which the store parses itself
@@ -29,7 +29,7 @@ t.test('parseTimestamp reads the ISO DateStyle the server writes, and nothing el
 
 const DATABASE_URL = process.env.DATABASE_URL
 if (DATABASE_URL === undefined || DATABASE_URL === '') {
-  t.fail('DATABASE_URL is not set: run `node scripts/test.mjs test/node-postgres-text-formats.test.ts` (it provisions a throwaway PostgreSQL).')
+  t.fail('DATABASE_URL is not set: run `node scripts/test.mjs test/postgres/node-postgres/text-formats.test.ts` (it provisions a throwaway PostgreSQL).')
 } else {
   const schema = postgresSchema(t, DATABASE_URL, { prefix: 'idem_text' })
 

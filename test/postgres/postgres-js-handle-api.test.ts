@@ -4,9 +4,9 @@ import path from 'node:path'
 import Fastify, { type FastifyInstance, type FastifyRequest } from 'fastify'
 import postgres, { type TransactionSql } from 'postgres'
 import t, { type Test } from 'tap'
-import idempotency from '../lib/index.js'
-import { postgresStore, type PostgresStore } from '../drivers/postgres/index.js'
-import { postgresSchema } from './helpers/postgres-schema.js'
+import idempotency from '../../lib/index.js'
+import { postgresStore, type PostgresStore } from '../../drivers/postgres/index.js'
+import { postgresSchema } from '../helpers/postgres-schema.js'
 
 /**
  * Atomic mode on postgres.js: what `request.idempotency.sql` does with the parts of postgres.js's
@@ -27,7 +27,7 @@ function transactionOf (request: FastifyRequest): TransactionSql<any> {
 
 const DATABASE_URL = process.env.DATABASE_URL
 if (DATABASE_URL === undefined || DATABASE_URL === '') {
-  t.fail('DATABASE_URL is not set: run `node scripts/test.mjs test/postgres-js-handle-api.test.ts` (it provisions a throwaway PostgreSQL).')
+  t.fail('DATABASE_URL is not set: run `node scripts/test.mjs test/postgres/postgres-js-handle-api.test.ts` (it provisions a throwaway PostgreSQL).')
 } else {
   suite(DATABASE_URL)
 }

@@ -3,8 +3,8 @@ import Fastify from 'fastify'
 import pg from 'pg'
 import postgres from 'postgres'
 import t from 'tap'
-import idempotency from '../lib/index.js'
-import { postgresStore, type PostgresStore } from '../drivers/postgres/index.js'
+import idempotency from '../../lib/index.js'
+import { postgresStore, type PostgresStore } from '../../drivers/postgres/index.js'
 
 /**
  * A database that refuses connections, on either client and in either mode: the plugin answers the

@@ -1,7 +1,7 @@
 import type { FastifyInstance, FastifyRequest } from 'fastify'
 import t, { type Test } from 'tap'
-import { LeaseLostError, memoryStore, type IdempotencyStore } from '../lib/index.js'
-import { buildApp, keyed } from './helpers/app.js'
+import { LeaseLostError, memoryStore, type IdempotencyStore } from '../../lib/index.js'
+import { buildApp, keyed } from '../helpers/app.js'
 
 /**
  * `request.idempotency.step` and `enqueue` used where they cannot work fail with an error that says

@@ -1,7 +1,7 @@
 import { createHash } from 'node:crypto'
 import t from 'tap'
-import { PendingIndex } from '../drivers/memory-pending.js'
-import { CompletedTable, hashKey, NONE } from '../drivers/memory-table.js'
+import { PendingIndex } from '../../drivers/memory-pending.js'
+import { CompletedTable, hashKey, NONE } from '../../drivers/memory-table.js'
 
 /**
  * The memory store's indexes tell keys apart by their characters, not by their hashes: two keys of

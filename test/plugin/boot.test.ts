@@ -3,8 +3,8 @@ import { spawn } from 'node:child_process'
 import { fileURLToPath } from 'node:url'
 import Fastify, { type FastifyInstance } from 'fastify'
 import t, { type Test } from 'tap'
-import idempotency, { memoryStore, StoreNotReadyError, UnprotectedRoutesError, type IdempotencyStore } from '../lib/index.js'
-import { keyed } from './helpers/app.js'
+import idempotency, { memoryStore, StoreNotReadyError, UnprotectedRoutesError, type IdempotencyStore } from '../../lib/index.js'
+import { keyed } from '../helpers/app.js'
 
 /**
  * A route the plugin could not hook, a store that cannot serve, or a deployment it cannot protect,
@@ -179,7 +179,7 @@ t.test('the memory store with NODE_ENV=production: a coded warning; a shared sto
 })
 
 t.test('the memory store in a cluster worker: a coded warning', { skip: cluster.isWorker }, async (t) => {
-  const fixture = fileURLToPath(new URL('fixtures/cluster-worker.ts', import.meta.url))
+  const fixture = fileURLToPath(new URL('../fixtures/cluster-worker.ts', import.meta.url))
   const out = await new Promise<{ code: number | null, stdout: string }>((resolve, reject) => {
     const child = spawn(process.execPath, ['--import', 'tsx', fixture], { stdio: ['ignore', 'pipe', 'inherit'] })
     let stdout = ''
