@@ -5,7 +5,7 @@
  * comes on top, on every claim, replay and 422, and with the `encryption` option an HMAC of it
  * (`keyed`). Each body is timed three ways in interleaved rounds whose order rotates (medians).
  * Before timing, the digest of every body is checked against the recursive reference
- * implementation (canonical-reference.ts): a changed byte would answer every stored record's retries 422.
+ * implementation (test/helpers/canonical-reference.ts): a changed byte would answer every stored record's retries 422.
  * Writes the `fingerprint` section of benchmarks/results/summary.json.
  */
 import { randomBytes } from 'node:crypto'
@@ -13,7 +13,7 @@ import { parseArgs } from 'node:util'
 import { canonicalFingerprint } from '../lib/fingerprint.js'
 import { deriveFingerprintKeys, keyedFingerprint } from '../lib/fingerprint-keys.js'
 import { resolveKeyring } from '../lib/keyring.js'
-import { referenceDigest } from './canonical-reference.js'
+import { referenceDigest } from '../test/helpers/canonical-reference.js'
 import { median } from './figures.js'
 import { summaryPath, writeSection, type FingerprintSection } from './summary-file.js'
 

@@ -206,10 +206,8 @@ async function measureRound (scenario: Scenario, round: number, record: (run: Ru
   } finally {
     const stopped = await Promise.allSettled(instances.map((instance) => instance.stop()))
     const refused = stopped.find((result): result is PromiseRejectedResult => result.status === 'rejected')
-    // A server that would not stop is reported even when measuring failed: its port and process
-    // would skew the next setup's figures.
-    // eslint-disable-next-line no-unsafe-finally
-    if (refused !== undefined) throw refused.reason
+    // A server that would not stop would skew the next setup's figures: reported even over a failure.
+    if (refused !== undefined) throw refused.reason // eslint-disable-line no-unsafe-finally
   }
 }
 

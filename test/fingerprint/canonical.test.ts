@@ -1,12 +1,12 @@
 import fc from 'fast-check'
 import t, { type Test } from 'tap'
 import { CANONICAL, canonicalFingerprint, canonicalJson } from '../../lib/fingerprint.js'
-import { referenceDigest, referenceJson } from '../../benchmarks/canonical-reference.js'
+import { referenceDigest, referenceJson } from '../helpers/canonical-reference.js'
 
 /*
  * The canonical walk is iterative and hashes as it writes, and canonical-v1's
  * bytes must not change, or every stored record would stop matching its retries (422). The
- * reference (benchmarks/canonical-reference.ts) is the recursive implementation records were made
+ * reference (test/helpers/canonical-reference.ts) is the recursive implementation records were made
  * with (lib/fingerprint.ts at f203b40), copied verbatim: the new walk must give the same text and
  * the same digest for every input, generated or picked by hand.
  */
