@@ -147,7 +147,7 @@ t.test('memory store: 200 operations through a proxy losing half the answers, on
 t.test('PostgreSQL atomic mode: 200 operations through the same proxy, one committed row each', async (t) => {
   const url = process.env.DATABASE_URL
   if (url === undefined || url === '') {
-    t.fail('DATABASE_URL is not set: run `node scripts/test.mjs test/client/faults.test.ts` (it provisions a throwaway PostgreSQL).')
+    t.fail('DATABASE_URL is not set: run `node scripts/test.mjs test/client-helper/faults.test.ts` (it provisions a throwaway PostgreSQL).')
     return
   }
   const seed = 0xa70e1c
