@@ -98,8 +98,8 @@ try {
 
 // --include only applies when no files are named: it keeps tap off scripts/test.mjs and off
 // helper modules under test/.
-// Test files run on tsx (as the fixtures and scripts they spawn do), not on tap's TypeScript
-// plugin: its ts-node transpiles every module afresh in every test process, more than a second of
+// Test files run on tsx (as the fixtures and scripts they spawn do), except in a run that records
+// coverage (below), not on tap's TypeScript plugin: its ts-node transpiles every module afresh in every test process, more than a second of
 // CPU per file on this suite, where tsx caches what it compiled. The plugin's child-side switch
 // TAP_TYPE_STRIP_ONLY=1 turns ts-node off (tap's runner would set it back to 0 on Node 20).
 // Test files spend about half their time waiting (timers, the database, the processes they
