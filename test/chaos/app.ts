@@ -42,6 +42,7 @@ import { post } from './http.js'
 import { markStopped, plantedStore, PLANTS, type Plant, type StoppedRenewals } from './plants.js'
 import { SCENARIO_ROUTES, streamedParts, type ScenarioParameters } from './scenario-routes.js'
 import { sleep } from '../helpers/sleep.js'
+import { clusterNodes } from '../helpers/redis-nodes.js'
 
 interface Settings {
   readonly instance: number
@@ -103,10 +104,7 @@ function redisClient (): Redis | Cluster {
   // No offline queue and no per-command retries: a Redis outage must fail fast so the pre-filter
   // falls through to the store (lib/prefilter.ts: Redis never decides).
   if (settings.redis.startsWith('cluster:')) {
-    const nodes = settings.redis.slice('cluster:'.length).split(',').map((address) => {
-      const [host = '127.0.0.1', port = '0'] = address.split(':')
-      return { host, port: Number(port) }
-    })
+    const nodes = clusterNodes(settings.redis.slice('cluster:'.length))
     return new Cluster(nodes, {
       enableOfflineQueue: false,
       clusterRetryStrategy: () => 200,

@@ -4,6 +4,7 @@ import path from 'node:path'
 import { fileURLToPath, pathToFileURL } from 'node:url'
 import postgres from 'postgres'
 import { sleep } from '../helpers/sleep.js'
+import { clusterNodes } from '../helpers/redis-nodes.js'
 
 /**
  * The harness's own PostgreSQL, Redis and 3-master Redis Cluster, and the handles that break them.
@@ -64,9 +65,8 @@ export async function startPrivateServices (): Promise<Services> {
     const redisUrl = new URL(required(env, 'REDIS_URL'))
     const redis = await RedisNode.describe(server, cli, { host: redisUrl.hostname, port: Number(redisUrl.port) }, false)
     const cluster: RedisNode[] = []
-    for (const address of required(env, 'REDIS_CLUSTER_NODES').split(',')) {
-      const [host = '127.0.0.1', port = '0'] = address.split(':')
-      cluster.push(await RedisNode.describe(server, cli, { host, port: Number(port) }, true))
+    for (const node of clusterNodes(required(env, 'REDIS_CLUSTER_NODES'))) {
+      cluster.push(await RedisNode.describe(server, cli, node, true))
     }
     const pg = await PostgresServer.describe(required(env, 'PG_BIN_DIR'), databaseUrl, database)
     return { databaseUrl, database, redis, cluster, postgres: pg, stop }

@@ -7,7 +7,7 @@
  * `request.idempotency.sql`, move to the client under test.
  */
 import pg from 'pg'
-import type { Sql } from 'postgres'
+import postgres, { type Sql } from 'postgres'
 
 export type ClientKind = 'postgres' | 'pg'
 
@@ -67,6 +67,30 @@ export function storeConnection (sql: Sql<any>): { sql: Sql<any> } | { pool: pg.
 }
 
 /** Ends every pool {@link poolLike} opened; bounded, as the postgres.js clients' end is. */
+/**
+ * What `storeConnection(sql)` gives, on a client that adds the text of every statement it sends to
+ * `sent`: a node-postgres pool of clients whose `query` notes its text or query object's `.text`,
+ * or a postgres.js client of its own whose `debug` hook sees every text (ended by `end()`).
+ */
+export function recordingConnection (url: string, sql: Sql<any>, sent: Set<string>): { connection: { sql: Sql<any> } | { pool: pg.Pool }, end: () => Promise<void> } {
+  const note = (statement: unknown): void => {
+    const text = typeof statement === 'string' ? statement : (statement as { text?: unknown } | null)?.text
+    if (typeof text === 'string') sent.add(text)
+  }
+  if (CLIENT === 'pg') {
+    class RecordingClient extends pg.Client {
+      constructor (config?: pg.ClientConfig) {
+        super(config)
+        const query = this.query.bind(this) as (...args: unknown[]) => unknown
+        Object.assign(this, { query: (...args: unknown[]) => { note(args[0]); return query(...args) } })
+      }
+    }
+    return { connection: { pool: poolLike(sql, { Client: RecordingClient }) }, end: async () => {} }
+  }
+  const recorder = postgres(url, { max: 4, fetch_types: false, onnotice: () => {}, debug: (_connection, text) => { note(text) } })
+  return { connection: { sql: recorder }, end: () => recorder.end({ timeout: 1 }) }
+}
+
 export async function endPools (): Promise<void> {
   const all = opened.splice(0)
   await Promise.race([

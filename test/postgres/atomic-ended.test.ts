@@ -8,7 +8,7 @@ import t, { type Test } from 'tap'
 import idempotency from '../../lib/index.js'
 import { postgresStore, type PostgresStore } from '../../drivers/postgres/index.js'
 import { citusViolations } from '../helpers/citus-statements.js'
-import { CLIENT, endPools, exec, poolLike, storeConnection } from '../helpers/postgres-clients.js'
+import { CLIENT, endPools, exec, poolLike, recordingConnection, storeConnection } from '../helpers/postgres-clients.js'
 import { settledCounts } from '../helpers/pool-accounting.js'
 import { postgresSchema } from '../helpers/postgres-schema.js'
 import { sleep } from '../helpers/sleep.js'
@@ -308,22 +308,10 @@ function suite (url: string): void {
   }
 
   t.test('what the store sends when the handler ended the transaction keeps to the forms Citus distributes', async (t) => {
-    // A client that records every text it is given (test/postgres/citus-statements.test.ts).
     const sent = new Set<string>()
-    const note = (statement: unknown): void => {
-      const text = typeof statement === 'string' ? statement : (statement as { text?: unknown } | null)?.text
-      if (typeof text === 'string') sent.add(text)
-    }
-    class RecordingClient extends pg.Client {
-      constructor (config?: pg.ClientConfig) {
-        super(config)
-        const query = this.query.bind(this) as (...args: unknown[]) => unknown
-        Object.assign(this, { query: (...args: unknown[]) => { note(args[0]); return query(...args) } })
-      }
-    }
-    const recorder = CLIENT === 'pg' ? null : postgres(url, { max: 4, onnotice: () => {}, debug: (_connection, text) => { note(text) } })
-    t.teardown(async () => { await recorder?.end({ timeout: 1 }) })
-    const store = postgresStore({ ...(recorder === null ? { pool: poolLike(sql, { Client: RecordingClient }) } : { sql: recorder }), schema, table: 'records', purgeInterval: 0 })
+    const recording = recordingConnection(url, sql, sent)
+    t.teardown(recording.end)
+    const store = postgresStore({ ...recording.connection, schema, table: 'records', purgeInterval: 0 })
     const app = Fastify()
     t.teardown(() => app.close())
     await app.register(idempotency, { store, scope: () => 'test', transaction: true })

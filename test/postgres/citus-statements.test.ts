@@ -1,10 +1,8 @@
-import pg from 'pg'
-import postgres from 'postgres'
 import t from 'tap'
 import type { ClaimResult, Lease } from '../../lib/store.js'
 import { postgresStore, type OutboxMessage, type PostgresStore } from '../../drivers/postgres/index.js'
 import { citusViolations } from '../helpers/citus-statements.js'
-import { CLIENT, CLIENT_NAME, endPools, poolLike } from '../helpers/postgres-clients.js'
+import { CLIENT_NAME, endPools, recordingConnection } from '../helpers/postgres-clients.js'
 import { postgresSchema } from '../helpers/postgres-schema.js'
 import { sleep } from '../helpers/sleep.js'
 
@@ -69,21 +67,7 @@ t.test('the checker finds the forms Citus refuses, and passes the ones it accept
 function suite (url: string): void {
   const { name: schema, sql } = postgresSchema(t, url, { prefix: 'idem_citus_forms', client: { max: 4 } })
   const sent = new Set<string>()
-  const record = (statement: unknown): void => {
-    const text = typeof statement === 'string' ? statement : (statement as { text?: unknown } | null)?.text
-    if (typeof text === 'string') sent.add(text)
-  }
-
-  /** A node-postgres client that records every query it sends. */
-  class RecordingClient extends pg.Client {
-    constructor (config?: pg.ClientConfig) {
-      super(config)
-      const query = this.query.bind(this) as (...args: unknown[]) => unknown
-      Object.assign(this, { query: (...args: unknown[]) => { record(args[0]); return query(...args) } })
-    }
-  }
-  const recorder = CLIENT === 'pg' ? null : postgres(url, { max: 4, fetch_types: false, onnotice: () => {}, debug: (_connection, text) => { record(text) } })
-  const connection = recorder === null ? { pool: poolLike(sql, { Client: RecordingClient }) } : { sql: recorder }
+  const { connection, end: endRecorder } = recordingConnection(url, sql, sent)
 
   const stores: PostgresStore[] = []
   let tables = 0
@@ -102,7 +86,7 @@ function suite (url: string): void {
 
   t.teardown(async () => {
     for (const made of stores) await made.close()
-    await recorder?.end({ timeout: 1 })
+    await endRecorder()
     await endPools()
   })
 

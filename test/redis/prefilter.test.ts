@@ -7,6 +7,7 @@ import type { IdempotencyPrefilter } from '../../lib/prefilter.js'
 import { redisPrefilter } from '../../drivers/redis/index.js'
 import { recordKey } from '../../drivers/redis/keys.js'
 import { sleep } from '../helpers/sleep.js'
+import { clusterNodes } from '../helpers/redis-nodes.js'
 
 /**
  * The pre-filter in the request lifecycle, against real Redis servers (REDIS_URL and
@@ -21,10 +22,7 @@ const CLUSTER = process.env.REDIS_CLUSTER_NODES
 if (REDIS_URL === undefined || CLUSTER === undefined) {
   t.fail('REDIS_URL and REDIS_CLUSTER_NODES must be set: run `node scripts/test.mjs test/redis/prefilter.test.ts` (it starts throwaway Redis servers).')
 } else {
-  const nodes = CLUSTER.split(',').map((node) => {
-    const [host, port] = node.split(':')
-    return { host: host ?? '127.0.0.1', port: Number(port) }
-  })
+  const nodes = clusterNodes(CLUSTER)
   // A database of its own: test files run in parallel on one server, and this one flushes it.
   suite('standalone', () => new Redis(REDIS_URL, { maxRetriesPerRequest: 1, db: 2 }))
   suite('cluster', () => new Cluster(nodes, { redisOptions: { maxRetriesPerRequest: 1 } }))

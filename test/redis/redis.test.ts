@@ -9,6 +9,7 @@ import { redisPrefilter, type RedisPrefilter } from '../../drivers/redis/index.j
 import { recordKey } from '../../drivers/redis/keys.js'
 import { pipelining } from '../../drivers/redis/pipelining.js'
 import { sleep } from '../helpers/sleep.js'
+import { clusterNodes } from '../helpers/redis-nodes.js'
 
 /**
  * The Redis pre-filter against real servers: one standalone (REDIS_URL) and a 3-master cluster
@@ -38,10 +39,7 @@ if (REDIS_URL === '' || CLUSTER_NODES === '') {
     'Redis Cluster. Run `node scripts/test.mjs test/redis/redis.test.ts` (it starts throwaway servers and sets both), ' +
     'or set REDIS_URL=redis://… and REDIS_CLUSTER_NODES=host:port,host:port,host:port.')
 } else {
-  const nodes = CLUSTER_NODES.split(',').map((node) => {
-    const [host = '127.0.0.1', port = ''] = node.split(':')
-    return { host, port: Number(port) }
-  })
+  const nodes = clusterNodes(CLUSTER_NODES)
   // A database of its own: test files run in parallel on one server, and this one flushes its database.
   const standalone = new Redis(REDIS_URL, { db: 1 })
   const cluster = new Cluster(nodes)

@@ -9,6 +9,7 @@ import { redisPrefilter } from '../../drivers/redis/index.js'
 import { recordKey } from '../../drivers/redis/keys.js'
 import { startReplyDropper, type ReplyDropper } from '../helpers/reply-dropping-proxy.js'
 import { sleep } from '../helpers/sleep.js'
+import { clusterNodes } from '../helpers/redis-nodes.js'
 
 /**
  * A pre-filter command whose answer is lost runs on Redis anyway, and ioredis sends it again on its
@@ -55,10 +56,7 @@ if (REDIS_URL === '' || CLUSTER_NODES === '') {
     '(it starts throwaway servers and sets both), or set REDIS_URL=redis://… and REDIS_CLUSTER_NODES=host:port,….')
 } else {
   const url = new URL(REDIS_URL)
-  const nodes = CLUSTER_NODES.split(',').map((node) => {
-    const [host = '127.0.0.1', port = ''] = node.split(':')
-    return { host, port: Number(port) }
-  })
+  const nodes = clusterNodes(CLUSTER_NODES)
   // Database 1, as test/redis/redis.test.ts: under a random prefix, beside it.
   const standalone = new Redis(REDIS_URL, { db: 1 })
   const cluster = new Cluster(nodes)
