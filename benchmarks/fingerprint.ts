@@ -1,7 +1,7 @@
 /**
  * The cost of canonical fingerprints against parsing the same body: `npm run bench:fingerprint`
  * (about a minute; `-- --quick`: seconds; `-- --out file`: another summary file). A protected route
- * already pays JSON.parse for its body (Fastify's parser); the fingerprint (lib/fingerprint.ts)
+ * already pays JSON.parse for its body (Fastify's parser); the fingerprint (lib/core/fingerprint.ts)
  * comes on top, on every claim, replay and 422, and with the `encryption` option an HMAC of it
  * (`keyed`). Each body is timed three ways in interleaved rounds whose order rotates (medians).
  * Before timing, the digest of every body is checked against the recursive reference
@@ -10,9 +10,9 @@
  */
 import { randomBytes } from 'node:crypto'
 import { parseArgs } from 'node:util'
-import { canonicalFingerprint } from '../lib/fingerprint.js'
-import { deriveFingerprintKeys, keyedFingerprint } from '../lib/fingerprint-keys.js'
-import { resolveKeyring } from '../lib/keyring.js'
+import { canonicalFingerprint } from '../lib/core/fingerprint.js'
+import { deriveFingerprintKeys, keyedFingerprint } from '../lib/core/fingerprint-keys.js'
+import { resolveKeyring } from '../lib/core/keyring.js'
 import { referenceDigest } from '../test/helpers/canonical-reference.js'
 import { median } from './figures.js'
 import { summaryPath, writeSection, type FingerprintSection } from './summary-file.js'

@@ -8,7 +8,7 @@
  * and are shown as they are.
  *
  * Every option error of the package describes its value here: the plugin's and the drivers'
- * (`InvalidOptionError` of lib/errors.ts) and the client's (client/errors.ts). It lives in client/
+ * (`InvalidOptionError` of lib/core/errors.ts) and the client's (client/errors.ts). It lives in client/
  * and imports nothing, because the client entry point stands alone (no Fastify, nothing from lib/).
  */
 export function describeValue (value: unknown): string {

@@ -1,6 +1,6 @@
 import assert from 'node:assert/strict'
 import { createHash, randomUUID } from 'node:crypto'
-import type { ClaimResult, Fingerprint, IdempotencyStore, StoredResponse } from '../lib/store.js'
+import type { ClaimResult, Fingerprint, IdempotencyStore, StoredResponse } from '../lib/core/store.js'
 
 /**
  * Registers one test. node:test's `test` fits as it is; with tap, pass `(name, fn) => t.test(name, fn)`.
@@ -20,7 +20,7 @@ export interface ConformanceOptions {
  * third-party driver runs it with node:test, tap or anything with a `test(name, fn)`. Times are
  * real and short (a driver may measure them on a database clock that a test cannot move).
  *
- * An operation may answer its result directly or a promise of it (lib/store.ts, `Answer`): the
+ * An operation may answer its result directly or a promise of it (lib/core/store.ts, `Answer`): the
  * suite awaits every answer, which takes both, and never calls `.then` on one.
  */
 export function runConformance (options: ConformanceOptions): void {
@@ -237,7 +237,7 @@ export function runConformance (options: ConformanceOptions): void {
     if (again.outcome === 'acquired') assert.equal(again.takeover, false)
   })
 
-  // lib/store.ts, the first expiry rule: an owner that renews keeps its record past the ttl, or a
+  // lib/core/store.ts, the first expiry rule: an owner that renews keeps its record past the ttl, or a
   // retry would reclaim it as a fresh record and run the operation beside the owner.
   withStore('an in-progress record never expires while its lease is live: renew and takeover keep it past its ttl', async (store) => {
     const key = fresh()
@@ -266,7 +266,7 @@ export function runConformance (options: ConformanceOptions): void {
     assert.equal(await store.complete(takeover.lease, response, LONG), true)
   })
 
-  // lib/store.ts, the second expiry rule. `hold` is optional: a driver without it has nothing to check here.
+  // lib/core/store.ts, the second expiry rule. `hold` is optional: a driver without it has nothing to check here.
   withStore('a held record never expires, is never reclaimed or taken over, and is never purged', async (store) => {
     if (typeof store.hold !== 'function') return
     const key = fresh()

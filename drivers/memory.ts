@@ -1,15 +1,15 @@
 import { randomUUID } from 'node:crypto'
-import { fingerprintsEqual } from '../lib/fingerprint.js'
+import { fingerprintsEqual } from '../lib/core/fingerprint.js'
 import { HeaderSets, Names } from './memory-packing.js'
 import { Buckets, compactKey, type Bucket } from './memory-records.js'
 import { CompletedTable, heldBytesAtMost, keyBytesOf, NONE, ROW_BYTES } from './memory-table.js'
-import { InvalidOptionError } from '../lib/errors.js'
-import { integerOption, MAX_TIMER_MS } from '../lib/validate.js'
-import type { InspectedRecord, RecoveryTools } from '../lib/admin.js'
-import { reconcileWith, startReconcilerWith, type ReconcileOptions, type ReconcilerOptions, type ReconcileSource } from '../lib/reconcile.js'
+import { InvalidOptionError } from '../lib/core/errors.js'
+import { integerOption, MAX_TIMER_MS } from '../lib/core/validate.js'
+import type { InspectedRecord, RecoveryTools } from '../lib/core/admin.js'
+import { reconcileWith, startReconcilerWith, type ReconcileOptions, type ReconcilerOptions, type ReconcileSource } from '../lib/core/reconcile.js'
 import type {
   ClaimRequest, ClaimResult, Fingerprint, IdempotencyStore, Lease, RecordId, StepResults, StoredRecord, StoredResponse
-} from '../lib/store.js'
+} from '../lib/core/store.js'
 
 export interface MemoryStoreOptions {
   /**
@@ -170,7 +170,7 @@ const FITS = 0
 const OVER_CAPACITY = 1
 const OVER_SHARE = 2
 
-/** What a record completed without its response records: its status only (lib/store.ts, StoredResponse.body). */
+/** What a record completed without its response records: its status only (lib/core/store.ts, StoredResponse.body). */
 const NO_HEADERS: StoredResponse['headers'] = Object.freeze({})
 
 /**
@@ -547,7 +547,7 @@ export function memoryStore (options: MemoryStoreOptions = {}): MemoryStore {
     return true
   }
 
-  // Answered directly, not through promises: the plugin then goes on at once (lib/store.ts, Answer).
+  // Answered directly, not through promises: the plugin then goes on at once (lib/core/store.ts, Answer).
   const store: MemoryStore = {
     claim,
     complete,
@@ -673,7 +673,7 @@ function admits (need: number, used: number, holds: boolean, total: number, capa
   return total + need + (others * share - othersWithin) <= capacity ? FITS : OVER_SHARE
 }
 
-/** The store contract's rule (lib/store.ts): an in-progress record never expires while its lease is live. */
+/** The store contract's rule (lib/core/store.ts): an in-progress record never expires while its lease is live. */
 function outliveLease (entry: Pending): void {
   if (entry.expiresAt < entry.leaseUntil) entry.expiresAt = entry.leaseUntil
 }

@@ -1,7 +1,7 @@
 import fp from 'fastify-plugin'
-import { idempotencyPlugin } from './plugin.js'
-import type { IdempotencyOptions } from './options.js'
-import './types.js'
+import { idempotencyPlugin } from './fastify/plugin.js'
+import type { IdempotencyOptions } from './http/options.js'
+import './fastify/types.js'
 
 /**
  * Gives routes the Idempotency-Key contract (draft-ietf-httpapi-idempotency-key-header): the first
@@ -24,26 +24,26 @@ export { fastifyIdempotency }
 export { memoryStore, MemoryStoreFullError, type MemoryStore, type MemoryStoreOptions, type MemoryStoreUsage } from '../drivers/memory.js'
 export {
   EmptyScopeError, InvalidOptionError, LeaseLostError, RolledBackError, StoreNotReadyError, StoreTimeoutError, TransactionEndedError, UnprotectedRoutesError
-} from './errors.js'
-export type { EarlierRoutesPolicy } from './earlier-routes.js'
-export { DEFAULT_REPLAY_HEADERS } from './headers.js'
-export type { IdempotencyContext } from './context.js'
-export type { InspectedRecord, RecoveryTools } from './admin.js'
-export type { StepOptions } from './recovery.js'
+} from './core/errors.js'
+export type { EarlierRoutesPolicy } from './fastify/earlier-routes.js'
+export { DEFAULT_REPLAY_HEADERS } from './http/headers.js'
+export type { IdempotencyContext } from './core/context.js'
+export type { InspectedRecord, RecoveryTools } from './core/admin.js'
+export type { StepOptions } from './core/recovery.js'
 export type {
   ReconcileOptions, Reconciler, ReconcilerOptions, ReconcileReport, Resolution, ResolvedResponse, StuckRecord
-} from './reconcile.js'
-export type { EncryptionKey, EncryptionOptions } from './keyring.js'
-export type { FingerprintFunction, FingerprintOption } from './fingerprint.js'
-export type { KeyFormat } from './key.js'
-export type { IdempotencyOptions, RecordRule, RouteIdempotencyOptions, ScopeFunction, StatusRouteOptions } from './options.js'
-export { DECISION_CHANNEL, type DecisionEvent, type MeterLike, type Outcome } from './observe.js'
-export type { IdempotencyPrefilter, PrefilterHit } from './prefilter.js'
-export type { ProblemKind } from './problems.js'
-export type { RebuildFunction, RebuiltResponse } from './reference.js'
-export type { ProfileName } from './profiles.js'
-export type { IdempotencyKeyStatus } from './status-route.js'
+} from './core/reconcile.js'
+export type { EncryptionKey, EncryptionOptions } from './core/keyring.js'
+export type { FingerprintFunction, FingerprintOption } from './core/fingerprint.js'
+export type { KeyFormat } from './http/key.js'
+export type { IdempotencyOptions, RecordRule, RouteIdempotencyOptions, ScopeFunction, StatusRouteOptions } from './http/options.js'
+export { DECISION_CHANNEL, type DecisionEvent, type MeterLike, type Outcome } from './core/observe.js'
+export type { IdempotencyPrefilter, PrefilterHit } from './core/prefilter.js'
+export type { ProblemKind } from './http/problems.js'
+export type { RebuildFunction, RebuiltResponse } from './http/reference.js'
+export type { ProfileName } from './http/profiles.js'
+export type { IdempotencyKeyStatus } from './http/status-route.js'
 export type {
   ClaimAcquired, ClaimCompleted, ClaimInProgress, ClaimRequest, ClaimResult, Fingerprint,
   IdempotencyStore, Lease, OutboxEntry, RecordId, StepResults, StoredRecord, StoredResponse
-} from './store.js'
+} from './core/store.js'

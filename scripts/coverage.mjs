@@ -35,7 +35,7 @@ const MINIMUM = { lines: 95, branches: 95 }
 
 /**
  * A copy of tap's coverage data in which each distinct build of a file (told apart by its source
- * map) has a name of its own, `lib/claim.ts` becoming `lib/claim.ts~<hash>.js`: c8 then merges
+ * map) has a name of its own, `lib/fastify/claim.ts` becoming `lib/fastify/claim.ts~<hash>.js`: c8 then merges
  * the counts of one build only, and the builds' results after mapping them to the source.
  */
 function separateBuilds (from, to) {
@@ -104,7 +104,7 @@ const required = Object.entries(MINIMUM).map(([m, p]) => `${p}% of ${m}`).join('
 
 /** The per-folder table and the gate; returns the exit status. */
 async function folders (summary) {
-  const files = new Map() // 'lib/claim.ts' -> { lines, branches, functions }
+  const files = new Map() // 'lib/fastify/claim.ts' -> { lines, branches, functions }
   for (const [file, counts] of Object.entries(summary)) {
     if (file === 'total') continue
     const rel = path.relative(root, file).split(path.sep).join('/')

@@ -6,7 +6,7 @@
 import type { TransactionSql } from 'postgres'
 // The plugin's types for Fastify (`request.idempotency`, `config.idempotency`): a file that imports
 // only this entry point sees them too.
-import '../../lib/types.js'
+import '../../lib/fastify/types.js'
 
 export { postgresStore, type PostgresStore } from './store.js'
 export { migrate } from './schema.js'
@@ -36,7 +36,7 @@ export interface AtomicTransactionTypes {}
 /** The handle of a request's transaction: see {@link AtomicTransactionTypes}. */
 export type AtomicTransaction = AtomicTransactionTypes extends { client: infer Client } ? Client : TransactionSql<any>
 
-declare module '../../lib/context.js' {
+declare module '../../lib/core/context.js' {
   interface IdempotencyContext {
     /**
      * Atomic mode (`transaction: true`): the transaction that holds this request's claim, on the

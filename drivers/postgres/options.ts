@@ -1,6 +1,6 @@
 import type { Sql } from 'postgres'
-import { InvalidOptionError } from '../../lib/errors.js'
-import { callbackOption, integerOption, MAX_TIMER_MS } from '../../lib/validate.js'
+import { InvalidOptionError } from '../../lib/core/errors.js'
+import { callbackOption, integerOption, MAX_TIMER_MS } from '../../lib/core/validate.js'
 import type { DatabaseClient } from './client.js'
 import { nodePostgresClient, type NodePostgresPool } from './node-postgres.js'
 import { resolveOutboxOptions, type OutboxOptions, type ResolvedOutboxOptions } from './outbox.js'

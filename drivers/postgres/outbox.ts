@@ -1,7 +1,7 @@
-import { checkName, deriveKey } from '../../lib/derive.js'
-import { InvalidOptionError } from '../../lib/errors.js'
-import type { OutboxEntry, RecordId } from '../../lib/store.js'
-import { integerOption, MAX_TIMER_MS } from '../../lib/validate.js'
+import { checkName, deriveKey } from '../../lib/core/derive.js'
+import { InvalidOptionError } from '../../lib/core/errors.js'
+import type { OutboxEntry, RecordId } from '../../lib/core/store.js'
+import { integerOption, MAX_TIMER_MS } from '../../lib/core/validate.js'
 import type { DatabaseClient, Value } from './client.js'
 import { asDate } from './dates.js'
 

@@ -1,8 +1,8 @@
 import { randomUUID } from 'node:crypto'
-import type { InspectedRecord } from '../../lib/admin.js'
-import { TransactionEndedError } from '../../lib/errors.js'
-import type { ReconcileSource } from '../../lib/reconcile.js'
-import type { Lease, RecordId, StepResults, StoredResponse } from '../../lib/store.js'
+import type { InspectedRecord } from '../../lib/core/admin.js'
+import { TransactionEndedError } from '../../lib/core/errors.js'
+import type { ReconcileSource } from '../../lib/core/reconcile.js'
+import type { Lease, RecordId, StepResults, StoredResponse } from '../../lib/core/store.js'
 import type { DatabaseClient, Ended, Value } from './client.js'
 import { asDate } from './dates.js'
 

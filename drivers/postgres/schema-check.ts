@@ -1,4 +1,4 @@
-import { StoreNotReadyError } from '../../lib/errors.js'
+import { StoreNotReadyError } from '../../lib/core/errors.js'
 import type { DatabaseClient } from './client.js'
 import type { ResolvedNames } from './options.js'
 

@@ -1,4 +1,4 @@
-import type { Fingerprint, Lease, RecordId, StoredResponse } from '../../lib/store.js'
+import type { Fingerprint, Lease, RecordId, StoredResponse } from '../../lib/core/store.js'
 import type { Queryable, Value } from './client.js'
 
 /*
@@ -171,7 +171,7 @@ function buildTexts (table: string) {
   // a new token (the old one stops working: complete/release/renew are fenced by it), with its
   // recorded steps, so the new owner continues from the first incomplete one. The record lives at
   // least a ttl from now, as a newly created one would, and at least as long as the new lease
-  // (lib/store.ts: an in-progress record never expires while its lease is live). A record held for the reconciler
+  // (lib/core/store.ts: an in-progress record never expires while its lease is live). A record held for the reconciler
   // (indeterminate) is never taken over by a retry.
   const takeoverText = `
     UPDATE ${table}

@@ -1,11 +1,11 @@
 import { randomUUID } from 'node:crypto'
-import type { RecoveryTools } from '../../lib/admin.js'
-import { fingerprintsEqual } from '../../lib/fingerprint.js'
-import { reconcileWith, startReconcilerWith, type ReconcileOptions, type ReconcilerOptions, type ReconcileReport } from '../../lib/reconcile.js'
+import type { RecoveryTools } from '../../lib/core/admin.js'
+import { fingerprintsEqual } from '../../lib/core/fingerprint.js'
+import { reconcileWith, startReconcilerWith, type ReconcileOptions, type ReconcilerOptions, type ReconcileReport } from '../../lib/core/reconcile.js'
 import type {
   ClaimRequest, ClaimResult, IdempotencyStore, Lease, OutboxEntry, RecordId, StepResults, StoredRecord, StoredResponse
-} from '../../lib/store.js'
-import { integerOption } from '../../lib/validate.js'
+} from '../../lib/core/store.js'
+import { integerOption } from '../../lib/core/validate.js'
 import { resolveStoreOptions, type BackgroundTask, type PostgresStoreOptions } from './options.js'
 import { createOutbox, type DeliveryReport } from './outbox.js'
 import { createRecovery } from './recovery.js'

@@ -1,8 +1,8 @@
 import { randomUUID } from 'node:crypto'
 import diagnostics from 'node:diagnostics_channel'
-import { RolledBackError, TransactionEndedError } from '../../lib/errors.js'
-import { fingerprintsEqual } from '../../lib/fingerprint.js'
-import type { ClaimRequest, ClaimResult, Lease, StoredResponse } from '../../lib/store.js'
+import { RolledBackError, TransactionEndedError } from '../../lib/core/errors.js'
+import { fingerprintsEqual } from '../../lib/core/fingerprint.js'
+import type { ClaimRequest, ClaimResult, Lease, StoredResponse } from '../../lib/core/store.js'
 import type { DatabaseClient, TransactionConnection } from './client.js'
 import { createAtomicStatements, type AtomicStatements } from './statements.js'
 
@@ -266,7 +266,7 @@ export function createTransactions (db: DatabaseClient, table: string): Transact
  * connection had died), nothing committed. After it, an error the server sent (a deferred
  * constraint, a serialization failure) is a rollback too; anything else (the connection dropped
  * while COMMIT was in flight) leaves the outcome unknown, and is passed on as it is: the plugin
- * then says so instead of claiming a rollback (lib/store.ts, claimInTransaction).
+ * then says so instead of claiming a rollback (lib/core/store.ts, claimInTransaction).
  */
 function commitError (err: unknown, commitSent: boolean, db: DatabaseClient): unknown {
   if (err instanceof RolledBackError) return err

@@ -1,5 +1,5 @@
 import { hash } from 'node:crypto'
-import type { RecordId } from '../../lib/store.js'
+import type { RecordId } from '../../lib/core/store.js'
 
 /**
  * The Redis key of the hash that holds everything for one (scope, key): `${prefix}:{${tag}}`.

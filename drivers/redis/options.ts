@@ -1,6 +1,6 @@
 import type { Cluster, Redis } from 'ioredis'
-import { InvalidOptionError } from '../../lib/errors.js'
-import { booleanOption, integerOption, MAX_TIMER_MS } from '../../lib/validate.js'
+import { InvalidOptionError } from '../../lib/core/errors.js'
+import { booleanOption, integerOption, MAX_TIMER_MS } from '../../lib/core/validate.js'
 
 export interface RedisPrefilterOptions {
   /**

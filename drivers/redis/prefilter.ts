@@ -1,12 +1,12 @@
 import { randomUUID } from 'node:crypto'
-import type { IdempotencyPrefilter, PrefilterHit } from '../../lib/prefilter.js'
-import type { Fingerprint, RecordId, StoredResponse } from '../../lib/store.js'
+import type { IdempotencyPrefilter, PrefilterHit } from '../../lib/core/prefilter.js'
+import type { Fingerprint, RecordId, StoredResponse } from '../../lib/core/store.js'
 import { PrefilterClosedError, PrefilterTimeoutError } from './errors.js'
 import { FIELD, recordKey } from './keys.js'
 import { resolvePrefilterOptions, type RedisPrefilterOptions } from './options.js'
 import { pipelining } from './pipelining.js'
 import { COMMAND, defineScripts, type Done, type ScriptedCommands } from './scripts.js'
-import { Schedule, type Scheduled } from '../../lib/schedule.js'
+import { Schedule, type Scheduled } from '../../lib/core/schedule.js'
 
 /**
  * The Redis pre-filter: answers duplicates from Redis during retry storms and never decides who
@@ -39,7 +39,7 @@ export function redisPrefilter (options: RedisPrefilterOptions): RedisPrefilter 
   const enqueue = pipelining(client, pipeline)
   const stats = { hits: 0, misses: 0, failures: 0 }
   /**
-   * The deadlines of operations still waiting, one shared schedule (lib/schedule.ts) instead of a
+   * The deadlines of operations still waiting, one shared schedule (lib/core/schedule.ts) instead of a
    * timer per operation; close() settles whatever is left in it. Unref'd: a deadline must not keep
    * a process alive on its own.
    */

@@ -46,7 +46,7 @@ if #fields > 0 then
   return fields
 end
 -- Nothing: the caller is about to ask the store, and marks the key in flight meanwhile, for the
--- duplicates arriving from now on (lib/prefilter.ts says what they may make of it).
+-- duplicates arriving from now on (lib/core/prefilter.ts says what they may make of it).
 redis.call('HSET', KEYS[1], 'state', 'in_progress', 'alg', ARGV[1], 'digest', ARGV[2], 'owner', ARGV[4])
 -- Bounded by the lease: a marker whose request never came back delays retries at most this long.
 redis.call('PEXPIRE', KEYS[1], ARGV[3])

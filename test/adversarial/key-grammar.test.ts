@@ -3,7 +3,7 @@ import fc from 'fast-check'
 import Fastify, { type FastifyInstance, type LightMyRequestResponse } from 'fastify'
 import t, { type Test } from 'tap'
 import idempotency, { memoryStore, type KeyFormat } from '../../lib/index.js'
-import { parseKey } from '../../lib/key.js'
+import { parseKey } from '../../lib/http/key.js'
 import { referenceKey, type Verdict } from './sf-reference.js'
 import { assertProblem, counted, errorLog, fcParams, json, type CountedStore } from './support.js'
 
@@ -11,7 +11,7 @@ import { assertProblem, counted, errorLog, fcParams, json, type CountedStore } f
  * Key parsing against the RFC 9651 grammar (draft §2.1: the field is an Item whose value is an
  * sf-string, §3.3.3 / §4.2.5), with fast-check: every valid sf-string round-trips to the handler as
  * its value, everything else is a 400 key-invalid problem, and nothing ends in a 500. The expected
- * answer comes from sf-reference.ts, written from the RFC's parsing algorithms, not from lib/key.ts.
+ * answer comes from sf-reference.ts, written from the RFC's parsing algorithms, not from lib/http/key.ts.
  */
 
 const ONE_LINE = ['Idempotency-Key', 'x']

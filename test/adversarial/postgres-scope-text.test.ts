@@ -1,7 +1,7 @@
 import Fastify, { type FastifyInstance, type LightMyRequestResponse } from 'fastify'
 import t, { type Test } from 'tap'
 import idempotency from '../../lib/index.js'
-import type { IdempotencyStore } from '../../lib/store.js'
+import type { IdempotencyStore } from '../../lib/core/store.js'
 import { postgresFixture } from './services.js'
 import { errorLog } from './support.js'
 
@@ -12,7 +12,7 @@ import { errorLog } from './support.js'
  *   encodes it as UTF-8, which turns every lone surrogate into U+FFFD, so distinct scopes become
  *   one row key and one principal is replayed another's response (draft §5);
  * - a string with U+0000: PostgreSQL refuses it, and the claim fails.
- * The plugin therefore refuses both kinds of scope before any store sees them (lib/claim.ts).
+ * The plugin therefore refuses both kinds of scope before any store sees them (lib/fastify/claim.ts).
  */
 
 async function scopedApp (t: Test, store: IdempotencyStore, scopes: readonly string[]): Promise<{ app: FastifyInstance, runs: () => number, errors: string[] }> {

@@ -4,7 +4,7 @@ import fc from 'fast-check'
 import Fastify, { type FastifyInstance, type LightMyRequestResponse } from 'fastify'
 import t, { type Test } from 'tap'
 import idempotency, { memoryStore } from '../../lib/index.js'
-import type { IdempotencyStore } from '../../lib/store.js'
+import type { IdempotencyStore } from '../../lib/core/store.js'
 import { postgresFixture } from './services.js'
 import { assertProblem, errorLog, fcParams } from './support.js'
 

@@ -1,6 +1,6 @@
 /**
  * An independent reading of the Idempotency-Key grammar, written from the RFC 9651 parsing
- * algorithms (§4.2) rather than from lib/key.ts, so the property tests compare two implementations
+ * algorithms (§4.2) rather than from lib/http/key.ts, so the property tests compare two implementations
  * instead of one implementation with itself.
  *
  * Only what an Item field whose bare item is an sf-string needs: the string (§4.2.5), and the

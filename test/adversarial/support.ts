@@ -2,7 +2,7 @@ import assert from 'node:assert/strict'
 import net from 'node:net'
 import { Writable } from 'node:stream'
 import type { FastifyInstance, LightMyRequestResponse } from 'fastify'
-import type { IdempotencyStore } from '../../lib/store.js'
+import type { IdempotencyStore } from '../../lib/core/store.js'
 
 /**
  * Shared by the adversarial tests. Assertions here use node:assert, not tap: inside a fast-check

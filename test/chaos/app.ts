@@ -102,7 +102,7 @@ const database = openDatabase(settings.client, { url: settings.databaseUrl, max:
 
 function redisClient (): Redis | Cluster {
   // No offline queue and no per-command retries: a Redis outage must fail fast so the pre-filter
-  // falls through to the store (lib/prefilter.ts: Redis never decides).
+  // falls through to the store (lib/core/prefilter.ts: Redis never decides).
   if (settings.redis.startsWith('cluster:')) {
     const nodes = clusterNodes(settings.redis.slice('cluster:'.length))
     return new Cluster(nodes, {

@@ -1,6 +1,6 @@
 import { appendFileSync } from 'node:fs'
 import { readFile } from 'node:fs/promises'
-import type { IdempotencyStore, Lease } from '../../lib/store.js'
+import type { IdempotencyStore, Lease } from '../../lib/core/store.js'
 
 /**
  * Evidence of execution that no downstream idempotency key can hide. Each app instance (and the

@@ -1,4 +1,4 @@
-import type { ClaimRequest, IdempotencyStore, Lease } from '../../lib/store.js'
+import type { ClaimRequest, IdempotencyStore, Lease } from '../../lib/core/store.js'
 import { realNow, type EvidenceLog } from './evidence.js'
 import type { Scenario } from './scenario-routes.js'
 

@@ -4,9 +4,9 @@ import t, { type Test } from 'tap'
 import idempotency, {
   InvalidOptionError, memoryStore, type EncryptionOptions, type Fingerprint, type IdempotencyOptions, type IdempotencyStore, type StoredResponse
 } from '../../lib/index.js'
-import { encryptedPrefilter, SealedResponseError } from '../../lib/encryption.js'
-import { resolveKeyring } from '../../lib/keyring.js'
-import type { IdempotencyPrefilter } from '../../lib/prefilter.js'
+import { encryptedPrefilter, SealedResponseError } from '../../lib/core/encryption.js'
+import { resolveKeyring } from '../../lib/core/keyring.js'
+import type { IdempotencyPrefilter } from '../../lib/core/prefilter.js'
 import { PROBLEM_TYPE } from '../helpers/app.js'
 
 /*

@@ -1,13 +1,13 @@
 import fc from 'fast-check'
 import t, { type Test } from 'tap'
-import { CANONICAL, canonicalFingerprint, canonicalJson } from '../../lib/fingerprint.js'
+import { CANONICAL, canonicalFingerprint, canonicalJson } from '../../lib/core/fingerprint.js'
 import { referenceDigest, referenceJson } from '../helpers/canonical-reference.js'
 
 /*
  * The canonical walk is iterative and hashes as it writes, and canonical-v1's
  * bytes must not change, or every stored record would stop matching its retries (422). The
  * reference (test/helpers/canonical-reference.ts) is the recursive implementation records were made
- * with (lib/fingerprint.ts at f203b40), copied verbatim: the new walk must give the same text and
+ * with (lib/core/fingerprint.ts at f203b40), copied verbatim: the new walk must give the same text and
  * the same digest for every input, generated or picked by hand.
  */
 
@@ -132,7 +132,7 @@ t.test('values with a fast path are written without one JSON.stringify call each
 })
 
 t.test('the canonical text is handed to the hash in bounded chunks, never built whole', async (t) => {
-  const { writeCanonical, UNLIMITED } = await import('../../lib/fingerprint-canonical.js')
+  const { writeCanonical, UNLIMITED } = await import('../../lib/core/fingerprint-canonical.js')
   const body: unknown = JSON.parse(JSON.stringify(Array.from({ length: 30_000 }, (_, i) => ({ z: i, a: `é-${i}`, m: [i, { y: null, x: true }] }))))
   const chunks: string[] = []
   const rest = writeCanonical(body, UNLIMITED, 'POST\n/p\njson:', (chunk) => { chunks.push(chunk) })

@@ -2,15 +2,15 @@ import type { FastifyInstance, InjectOptions } from 'fastify'
 import t, { type Test } from 'tap'
 import {
   CANONICAL, CUSTOM, canonicalFingerprint, canonicalJson, customFingerprint, fingerprintsEqual
-} from '../../lib/fingerprint.js'
+} from '../../lib/core/fingerprint.js'
 import { memoryStore, type IdempotencyOptions } from '../../lib/index.js'
-import type { StoredRecord } from '../../lib/store.js'
+import type { StoredRecord } from '../../lib/core/store.js'
 import { buildApp, deferred, keyed, PROBLEM_TYPE } from '../helpers/app.js'
 
 /*
  * Behaviour 5 of the contract: the same key with a different request (method, target, body) is a
  * 422, whether the original completed or is still in flight; canonical mode ignores JSON key order
- * and whitespace, raw mode does not. First the pure functions of lib/fingerprint.ts, then HTTP.
+ * and whitespace, raw mode does not. First the pure functions of lib/core/fingerprint.ts, then HTTP.
  */
 
 const SCOPE = 'test'

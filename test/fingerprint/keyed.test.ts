@@ -3,7 +3,7 @@ import Fastify, { type FastifyInstance, type LightMyRequestResponse } from 'fast
 import t, { type Test } from 'tap'
 import idempotency, { memoryStore, type EncryptionOptions, type Fingerprint, type IdempotencyOptions, type IdempotencyStore } from '../../lib/index.js'
 import { postgresStore } from '../../drivers/postgres/index.js'
-import { resolveKeyring } from '../../lib/keyring.js'
+import { resolveKeyring } from '../../lib/core/keyring.js'
 import { keyed, manualClock, PROBLEM_TYPE } from '../helpers/app.js'
 import { postgresSchema } from '../helpers/postgres-schema.js'
 import { sleep } from '../helpers/sleep.js'

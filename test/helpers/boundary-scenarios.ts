@@ -4,7 +4,7 @@ import { Readable } from 'node:stream'
 import Fastify, { type FastifyInstance, type LightMyRequestResponse } from 'fastify'
 import type { Test } from 'tap'
 import idempotency, { LeaseLostError, type IdempotencyOptions, type IdempotencyStore } from '../../lib/index.js'
-import type { StoredRecord } from '../../lib/store.js'
+import type { StoredRecord } from '../../lib/core/store.js'
 import { deferred, eventually, keyed, PROBLEM_TYPE } from './app.js'
 import { sleep } from './sleep.js'
 import type { RecoveryStore } from './recovery-scenarios.js'
@@ -155,7 +155,7 @@ export function boundaryScenarios (t: Test, env: BoundaryEnvironment): void {
         if (failures-- > 0) throw new Error('connection reset')
         return await store.complete(lease, response, ttl)
       }
-    // 100 ms, not less: a claim answered after one lease starts nothing (lib/claim.ts), and a
+    // 100 ms, not less: a claim answered after one lease starts nothing (lib/fastify/claim.ts), and a
     // first claim on a busy machine (a new connection, a statement prepared) can take tens of ms.
     }), { lease: 100 })
     let runs = 0

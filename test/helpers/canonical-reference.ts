@@ -1,7 +1,7 @@
 import { hash } from 'node:crypto'
 
 /*
- * canonical-v1 written the plainest way, recursively: the oracle lib/fingerprint.ts's iterative walk
+ * canonical-v1 written the plainest way, recursively: the oracle lib/core/fingerprint.ts's iterative walk
  * must match byte for byte (test/fingerprint/canonical.test.ts and `npm run bench:fingerprint` check
  * it: a changed byte would make every stored record answer its retries 422).
  */

@@ -1,9 +1,9 @@
 import Fastify, { type FastifyInstance, type LightMyRequestResponse } from 'fastify'
 import type { Test } from 'tap'
 import idempotency, { InvalidOptionError, LeaseLostError, type IdempotencyOptions, type IdempotencyStore, type RecoveryTools } from '../../lib/index.js'
-import { deriveKey } from '../../lib/derive.js'
-import { customFingerprint } from '../../lib/fingerprint.js'
-import type { Lease, StepResults } from '../../lib/store.js'
+import { deriveKey } from '../../lib/core/derive.js'
+import { customFingerprint } from '../../lib/core/fingerprint.js'
+import type { Lease, StepResults } from '../../lib/core/store.js'
 import { deferred } from './app.js'
 import { sleep } from './sleep.js'
 

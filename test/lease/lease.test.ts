@@ -1,9 +1,9 @@
 import { randomUUID } from 'node:crypto'
 import type { FastifyInstance, LightMyRequestResponse } from 'fastify'
 import t from 'tap'
-import { canonicalFingerprint } from '../../lib/fingerprint.js'
+import { canonicalFingerprint } from '../../lib/core/fingerprint.js'
 import { memoryStore } from '../../lib/index.js'
-import type { IdempotencyStore, Lease } from '../../lib/store.js'
+import type { IdempotencyStore, Lease } from '../../lib/core/store.js'
 import { buildApp, deferred, keyed, manualClock, PROBLEM_TYPE } from '../helpers/app.js'
 import { sleep } from '../helpers/sleep.js'
 

@@ -1,8 +1,8 @@
 import t from 'tap'
-import { Schedule, type Scheduled } from '../../lib/schedule.js'
+import { Schedule, type Scheduled } from '../../lib/core/schedule.js'
 import { sleep } from '../helpers/sleep.js'
 
-/** The shared deadlines behind store-call timeouts and lease renewals (lib/schedule.ts). */
+/** The shared deadlines behind store-call timeouts and lease renewals (lib/core/schedule.ts). */
 
 class Item implements Scheduled {
   dueAt = 0

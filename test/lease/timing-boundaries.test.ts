@@ -1,8 +1,8 @@
 import Fastify, { type FastifyInstance } from 'fastify'
 import t, { type Test } from 'tap'
 import idempotency, { memoryStore, type IdempotencyOptions, type IdempotencyStore } from '../../lib/index.js'
-import type { IdempotencyPrefilter } from '../../lib/prefilter.js'
-import type { Answer } from '../../lib/store.js'
+import type { IdempotencyPrefilter } from '../../lib/core/prefilter.js'
+import type { Answer } from '../../lib/core/store.js'
 import { keyed } from '../helpers/app.js'
 import { sleep } from '../helpers/sleep.js'
 

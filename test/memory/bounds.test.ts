@@ -4,7 +4,7 @@ import fc from 'fast-check'
 import Fastify, { type LightMyRequestResponse } from 'fastify'
 import t from 'tap'
 import idempotency, { memoryStore, MemoryStoreFullError, type MemoryStoreOptions } from '../../lib/index.js'
-import type { ClaimRequest, Fingerprint, IdempotencyStore, Lease } from '../../lib/store.js'
+import type { ClaimRequest, Fingerprint, IdempotencyStore, Lease } from '../../lib/core/store.js'
 import { fcParams } from '../adversarial/support.js'
 import { deferred, eventually } from '../helpers/app.js'
 

@@ -2,7 +2,7 @@ import { createHash } from 'node:crypto'
 import Fastify, { type FastifyInstance, type LightMyRequestResponse } from 'fastify'
 import t, { type Test } from 'tap'
 import idempotency, { memoryStore, MemoryStoreFullError, type MemoryStore, type MemoryStoreOptions } from '../../lib/index.js'
-import type { ClaimResult, Fingerprint } from '../../lib/store.js'
+import type { ClaimResult, Fingerprint } from '../../lib/core/store.js'
 import { manualClock } from '../helpers/app.js'
 
 /**

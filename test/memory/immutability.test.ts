@@ -1,7 +1,7 @@
 import { createHash } from 'node:crypto'
 import t from 'tap'
 import { memoryStore, type MemoryStore } from '../../lib/index.js'
-import type { Fingerprint, StoredRecord, StoredResponse } from '../../lib/store.js'
+import type { Fingerprint, StoredRecord, StoredResponse } from '../../lib/core/store.js'
 
 /**
  * Identical header sets are shared between records, so an array inside one that stayed the caller's

@@ -1,7 +1,7 @@
 import { createHash } from 'node:crypto'
 import t from 'tap'
 import { memoryStore, MemoryStoreFullError } from '../../lib/index.js'
-import type { ClaimRequest, Fingerprint } from '../../lib/store.js'
+import type { ClaimRequest, Fingerprint } from '../../lib/core/store.js'
 import { manualClock } from '../helpers/app.js'
 
 /**

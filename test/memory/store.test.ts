@@ -1,7 +1,7 @@
 import { createHash } from 'node:crypto'
 import t from 'tap'
 import { memoryStore, MemoryStoreFullError, type MemoryStore } from '../../lib/index.js'
-import type { Fingerprint, IdempotencyStore } from '../../lib/store.js'
+import type { Fingerprint, IdempotencyStore } from '../../lib/core/store.js'
 import { manualClock } from '../helpers/app.js'
 import { runConformance } from '../../conformance/index.js'
 import { sleep } from '../helpers/sleep.js'

@@ -2,7 +2,7 @@ import { createHash } from 'node:crypto'
 import t from 'tap'
 import { CompletedTable, hashKey, NONE } from '../../drivers/memory-table.js'
 import { memoryStore } from '../../lib/index.js'
-import type { Fingerprint } from '../../lib/store.js'
+import type { Fingerprint } from '../../lib/core/store.js'
 import { manualClock } from '../helpers/app.js'
 
 /**

@@ -3,7 +3,7 @@ import type { AddressInfo } from 'node:net'
 import type { FastifyInstance, FastifyReply, FastifyServerOptions, InjectOptions, RouteShorthandOptions } from 'fastify'
 import t, { type Test } from 'tap'
 import { memoryStore, type IdempotencyOptions, type IdempotencyStore } from '../../lib/index.js'
-import type { StoredRecord } from '../../lib/store.js'
+import type { StoredRecord } from '../../lib/core/store.js'
 import { buildApp, deferred, eventually, keyed, PROBLEM_TYPE } from '../helpers/app.js'
 import { sleep } from '../helpers/sleep.js'
 

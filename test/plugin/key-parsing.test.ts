@@ -2,7 +2,7 @@ import net from 'node:net'
 import type { FastifyInstance, InjectOptions, LightMyRequestResponse } from 'fastify'
 import t, { type Test } from 'tap'
 import { memoryStore, type IdempotencyContext, type IdempotencyOptions, type IdempotencyStore } from '../../lib/index.js'
-import { parseKey } from '../../lib/key.js'
+import { parseKey } from '../../lib/http/key.js'
 import { buildApp, PROBLEM_TYPE } from '../helpers/app.js'
 
 /*

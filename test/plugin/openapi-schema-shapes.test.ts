@@ -4,7 +4,7 @@ import type { IdempotencyOptions } from '../../lib/index.js'
 import { buildApp } from '../helpers/app.js'
 
 /**
- * What the plugin writes into a protected route's schema (lib/openapi.ts) for the shapes a route's
+ * What the plugin writes into a protected route's schema (lib/http/openapi.ts) for the shapes a route's
  * own schema can take: header schemas that are `false`, fluent, combinators or carry their own
  * `required`; response entries that are references; schemas in another language than JSON Schema
  * (Zod, Valibot...), which are left alone, since the route's compilers would be handed JSON Schema

@@ -5,7 +5,7 @@ import { InvalidOptionError, memoryStore, type IdempotencyOptions, type Idempote
 import { buildApp, deferred, keyed, PROBLEM_TYPE } from '../helpers/app.js'
 
 /*
- * Protected routes document themselves for @fastify/swagger (lib/openapi.ts): the Idempotency-Key
+ * Protected routes document themselves for @fastify/swagger (lib/http/openapi.ts): the Idempotency-Key
  * header parameter, the plugin's problem answers and the replay marker, added to route.schema when
  * the route is added. Fastify compiles that same schema, so the other half of this file checks
  * that nothing a client receives changes: every answer is compared byte for byte with an app

@@ -4,7 +4,7 @@ import { Readable } from 'node:stream'
 import type { FastifyInstance, FastifyReply, FastifyRequest, LightMyRequestResponse } from 'fastify'
 import t, { type Test } from 'tap'
 import { DEFAULT_REPLAY_HEADERS, memoryStore } from '../../lib/index.js'
-import type { IdempotencyStore, StoredRecord } from '../../lib/store.js'
+import type { IdempotencyStore, StoredRecord } from '../../lib/core/store.js'
 import { buildApp, keyed, PROBLEM_TYPE } from '../helpers/app.js'
 import { sleep } from '../helpers/sleep.js'
 

@@ -1,7 +1,7 @@
 import type { FastifyReply, LightMyRequestResponse } from 'fastify'
 import t, { type Test } from 'tap'
 import { memoryStore, RolledBackError, TransactionEndedError, type IdempotencyOptions, type IdempotencyStore, type ProblemKind, type ProfileName } from '../../lib/index.js'
-import { applyProblem, buildProblemBodies } from '../../lib/problems.js'
+import { applyProblem, buildProblemBodies } from '../../lib/http/problems.js'
 import { buildApp, deferred, keyed } from '../helpers/app.js'
 
 /*

@@ -1,7 +1,7 @@
 import { createHash } from 'node:crypto'
 import t, { type Test } from 'tap'
 import { memoryStore, type MemoryStore } from '../../lib/index.js'
-import type { Fingerprint, Lease } from '../../lib/store.js'
+import type { Fingerprint, Lease } from '../../lib/core/store.js'
 import { manualClock } from '../helpers/app.js'
 
 /**

@@ -1,7 +1,7 @@
 import Fastify, { type FastifyInstance } from 'fastify'
 import t, { type Test } from 'tap'
 import idempotency, { InvalidOptionError, memoryStore, type IdempotencyOptions, type IdempotencyStore } from '../../lib/index.js'
-import { REFERENCE_HEADER } from '../../lib/reference.js'
+import { REFERENCE_HEADER } from '../../lib/http/reference.js'
 import { postgresStore } from '../../drivers/postgres/index.js'
 import { postgresSchema } from '../helpers/postgres-schema.js'
 import { sleep } from '../helpers/sleep.js'

@@ -1,8 +1,8 @@
 import type { FastifyServerOptions } from 'fastify'
 import t, { type Test } from 'tap'
 import { DEFAULT_REPLAY_HEADERS, memoryStore, type IdempotencyOptions, type IdempotencyStore } from '../../lib/index.js'
-import { canonicalFingerprint } from '../../lib/fingerprint.js'
-import type { StoredRecord } from '../../lib/store.js'
+import { canonicalFingerprint } from '../../lib/core/fingerprint.js'
+import type { StoredRecord } from '../../lib/core/store.js'
 import { buildApp, keyed } from '../helpers/app.js'
 
 /*

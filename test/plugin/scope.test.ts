@@ -2,7 +2,7 @@ import { randomUUID } from 'node:crypto'
 import type { FastifyInstance, FastifyRequest, LightMyRequestResponse } from 'fastify'
 import t from 'tap'
 import { memoryStore } from '../../lib/index.js'
-import type { IdempotencyStore } from '../../lib/store.js'
+import type { IdempotencyStore } from '../../lib/core/store.js'
 import { buildApp, deferred, keyed } from '../helpers/app.js'
 
 /**

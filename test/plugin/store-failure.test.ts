@@ -1,7 +1,7 @@
 import type { FastifyInstance, LightMyRequestResponse } from 'fastify'
 import t, { type Test } from 'tap'
 import { memoryStore } from '../../lib/index.js'
-import type { IdempotencyStore } from '../../lib/store.js'
+import type { IdempotencyStore } from '../../lib/core/store.js'
 import { buildApp, keyed, PROBLEM_TYPE } from '../helpers/app.js'
 import { sleep } from '../helpers/sleep.js'
 

@@ -1,5 +1,5 @@
 import t from 'tap'
-import type { ClaimResult, Lease } from '../../lib/store.js'
+import type { ClaimResult, Lease } from '../../lib/core/store.js'
 import { postgresStore, type OutboxMessage, type PostgresStore } from '../../drivers/postgres/index.js'
 import { citusViolations } from '../helpers/citus-statements.js'
 import { CLIENT_NAME, endPools, recordingConnection } from '../helpers/postgres-clients.js'

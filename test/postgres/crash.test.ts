@@ -1,7 +1,7 @@
 import { fileURLToPath } from 'node:url'
 import t from 'tap'
 import { postgresStore } from '../../drivers/postgres/index.js'
-import { deriveKey } from '../../lib/derive.js'
+import { deriveKey } from '../../lib/core/derive.js'
 import { spawnFixture, type ChildApp } from '../helpers/child-app.js'
 import { CLIENT, endPools, storeConnection } from '../helpers/postgres-clients.js'
 import { startFakeProvider, type FakeProvider } from '../helpers/fake-provider.js'

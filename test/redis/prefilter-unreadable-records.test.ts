@@ -3,7 +3,7 @@ import { Redis } from 'ioredis'
 import t from 'tap'
 import { redisPrefilter } from '../../drivers/redis/index.js'
 import { FIELD, recordKey } from '../../drivers/redis/keys.js'
-import type { RecordId } from '../../lib/store.js'
+import type { RecordId } from '../../lib/core/store.js'
 
 /**
  * The Redis pre-filter reads back only records it understands: a hash under its key that it cannot

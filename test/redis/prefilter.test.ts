@@ -3,7 +3,7 @@ import Fastify, { type FastifyInstance, type LightMyRequestResponse } from 'fast
 import { Cluster, Redis } from 'ioredis'
 import t, { type Test } from 'tap'
 import idempotency, { memoryStore, type IdempotencyStore } from '../../lib/index.js'
-import type { IdempotencyPrefilter } from '../../lib/prefilter.js'
+import type { IdempotencyPrefilter } from '../../lib/core/prefilter.js'
 import { redisPrefilter } from '../../drivers/redis/index.js'
 import { recordKey } from '../../drivers/redis/keys.js'
 import { sleep } from '../helpers/sleep.js'
@@ -158,7 +158,7 @@ function suite (name: string, connect: () => Redis | Cluster): void {
 
     t.test('a stale in-flight marker never refuses a request: the store decides, at once or after the route\'s wait', async (t) => {
       const prefilter = redisPrefilter({ client, prefix: `t${randomBytes(4).toString('hex')}`, timeout: 200 })
-      const { canonicalFingerprint } = await import('../../lib/fingerprint.js')
+      const { canonicalFingerprint } = await import('../../lib/core/fingerprint.js')
       const fingerprint = canonicalFingerprint('POST', '/pay', { amount: 1 }, 'application/json')
       // Markers left by owners that died without completing (the store has no record).
       await prefilter.markInFlight({ scope: 'tenant', key: 'stale-1' }, fingerprint, 5000)

@@ -1,6 +1,6 @@
 import type { FastifyRequest } from 'fastify'
-import { stateOf } from '../../lib/context.js'
-import type { IdempotencyStore, Lease } from '../../lib/store.js'
+import { stateOf } from '../../lib/core/context.js'
+import type { IdempotencyStore, Lease } from '../../lib/core/store.js'
 import type { Trace } from './trace.js'
 import type { Route } from './workload.js'
 

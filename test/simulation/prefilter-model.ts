@@ -1,5 +1,5 @@
-import type { IdempotencyPrefilter, PrefilterHit } from '../../lib/prefilter.js'
-import type { Fingerprint, RecordId, StoredResponse } from '../../lib/store.js'
+import type { IdempotencyPrefilter, PrefilterHit } from '../../lib/core/prefilter.js'
+import type { Fingerprint, RecordId, StoredResponse } from '../../lib/core/store.js'
 import { now } from './clock.js'
 import type { Network } from './network.js'
 

@@ -1,11 +1,11 @@
 import type {
   ClaimAcquired, ClaimRequest, ClaimResult, Fingerprint, IdempotencyStore, Lease, RecordId, StepResults, StoredRecord, StoredResponse
-} from '../../lib/store.js'
+} from '../../lib/core/store.js'
 import { now, touch } from './clock.js'
 import type { Network } from './network.js'
 
 /*
- * The store the simulated instances share: the store contract (lib/store.ts) over a plain map, in
+ * The store the simulated instances share: the store contract (lib/core/store.ts) over a plain map, in
  * both modes. Lease mode: one short operation per call. Atomic mode: a claim opens a transaction
  * that holds the key's lock until the plugin commits (complete) or rolls back (release); a claim
  * of a locked key waits for the lock up to its `waitMs`, then reports the key in progress. The

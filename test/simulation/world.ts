@@ -1,8 +1,8 @@
 import { AsyncLocalStorage } from 'node:async_hooks'
 import Fastify, { type FastifyInstance, type FastifyReply, type FastifyRequest } from 'fastify'
 import idempotency, { type RouteIdempotencyOptions } from '../../lib/index.js'
-import type { IdempotencyPrefilter } from '../../lib/prefilter.js'
-import type { IdempotencyStore } from '../../lib/store.js'
+import type { IdempotencyPrefilter } from '../../lib/core/prefilter.js'
+import type { IdempotencyStore } from '../../lib/core/store.js'
 import type { Route } from './workload.js'
 
 /*

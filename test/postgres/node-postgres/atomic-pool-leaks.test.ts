@@ -169,7 +169,7 @@ function suite (url: string): void {
     await Promise.all(holding)
     for (let i = 0; i < 300 && w.runs() < holders.length; i++) await sleep(10)
     await drained(w.store)
-    // The client left before its claim landed: lib/claim.ts (becomeOwner) rolls the transaction
+    // The client left before its claim landed: lib/fastify/claim.ts (becomeOwner) rolls the transaction
     // back as soon as the claim lands, as for a client that leaves while the handler runs, so
     // nothing commits and the key is free for the retry.
     for (const key of queued) {

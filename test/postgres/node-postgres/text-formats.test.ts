@@ -3,7 +3,7 @@ import pg from 'pg'
 import t from 'tap'
 import { postgresStore } from '../../../drivers/postgres/index.js'
 import { parseTimestamp } from '../../../drivers/postgres/node-postgres-types.js'
-import type { Fingerprint } from '../../../lib/store.js'
+import type { Fingerprint } from '../../../lib/core/store.js'
 import { postgresSchema } from '../../helpers/postgres-schema.js'
 
 /**

@@ -37,7 +37,7 @@ const ONE_SHOT_BYTES = 16 * 1024
 
 /**
  * canonical-v1 of a request. Throws CanonicalLimitError when the parsed body is nested deeper or
- * holds more values than `limits` allow (lib/fingerprint-canonical.ts).
+ * holds more values than `limits` allow (lib/core/fingerprint-canonical.ts).
  */
 export function canonicalFingerprint (method: string, url: string, body: unknown, contentType?: string, limits: CanonicalLimits = UNLIMITED): Fingerprint {
   const head = `${method}\n${url}\n`

@@ -1,6 +1,6 @@
 import type { FastifyReply, FastifyRequest } from 'fastify'
 import { replyValue } from './headers.js'
-import type { StoredResponse } from './store.js'
+import type { StoredResponse } from '../core/store.js'
 
 /*
  * Responses by reference. Recording every response body is a cost that surprises people (a

@@ -3,7 +3,7 @@ import { schedules, type Scheduled } from './schedule.js'
 import type { Answer } from './store.js'
 import { isThenable } from './thenable.js'
 
-/** A store call in flight, waiting in the schedule of its bound (lib/schedule.ts). */
+/** A store call in flight, waiting in the schedule of its bound (lib/core/schedule.ts). */
 class Pending<T> implements Scheduled {
   dueAt = 0
   previous: Scheduled | null = null

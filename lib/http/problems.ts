@@ -5,7 +5,7 @@ import { occurrenceBody, renderProblems, type ProblemDefinition, type ProfileNam
  * The plugin's own answers, as RFC 9457 problem details. Each kind has its own absolute `type` URI
  * (§3.1.1) and a constant `title` (§3.1.3); the titles are the draft's (§2.7) where it has them.
  * `detail` never echoes the key nor anything recorded for any key (RFC 9457 §5). None of these is
- * ever recorded as a key's outcome. The `profile` option may give them another shape (lib/profiles.ts).
+ * ever recorded as a key's outcome. The `profile` option may give them another shape (lib/http/profiles.ts).
  */
 export type ProblemKind =
   | 'key-missing'
@@ -80,7 +80,7 @@ export const PROBLEMS: Readonly<Record<ProblemKind, ProblemDefinition>> = {
     detail: 'The operation for this Idempotency-Key completed, but its response was too large to be recorded, ' +
       'so it cannot be replayed. The operation will not be executed again.'
   },
-  // Canonical fingerprints walk the parsed body (lib/fingerprint-canonical.ts) under the route's
+  // Canonical fingerprints walk the parsed body (lib/core/fingerprint-canonical.ts) under the route's
   // maxBodyDepth and maxBodyNodes, before anything is claimed: nothing is recorded for the key.
   // Too deep is a malformed request for this API (400, RFC 9110 §15.5.1); too many values is
   // content larger than the server is willing to process (413, RFC 9110 §15.5.14).

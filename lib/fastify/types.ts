@@ -1,5 +1,5 @@
-import type { IdempotencyContext } from './context.js'
-import type { IdempotencyOptions, RouteIdempotencyOptions } from './options.js'
+import type { IdempotencyContext } from '../core/context.js'
+import type { IdempotencyOptions, RouteIdempotencyOptions } from '../http/options.js'
 
 /** Registration-only options (store, methods, ...) are refused in a route's config at compile time too. */
 type RegistrationOnly = { readonly [K in Exclude<keyof IdempotencyOptions, keyof RouteIdempotencyOptions>]?: never }

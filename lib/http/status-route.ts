@@ -1,11 +1,11 @@
 import type { FastifyInstance, FastifyReply, FastifyRequest } from 'fastify'
-import { answer, type Engine } from './engine.js'
+import { answer, type Engine } from '../core/engine.js'
 import type { GlobalSettings, StatusRouteSettings } from './options.js'
-import type { StoredRecord } from './store.js'
-import { observe } from './observe.js'
+import type { StoredRecord } from '../core/store.js'
+import { observe } from '../core/observe.js'
 import { isReference, withoutMarker } from './reference.js'
 import { scopeOf } from './scope.js'
-import { bounded } from './timeout.js'
+import { bounded } from '../core/timeout.js'
 
 /** What the status route answers (200, `application/json`) for a key the caller has a record of. */
 export type IdempotencyKeyStatus =

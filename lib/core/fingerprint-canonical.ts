@@ -1,12 +1,12 @@
 /*
- * The canonical form of a parsed body (canonical-v1, lib/fingerprint.ts), written by one iterative
+ * The canonical form of a parsed body (canonical-v1, lib/core/fingerprint.ts), written by one iterative
  * walk that hands its text out in chunks, so the caller can hash while it walks.
  *
  * Why iterative: the recursive version used one JS stack frame per level of nesting, so an 8 KiB
  * body nested about 4,000 levels deep threw "Maximum call stack size exceeded" (a 500) where the
  * same body without a key ran. Here the nesting lives in an explicit stack of frames, and both the
  * depth and the number of values are bounded (CanonicalLimits), each refusal answered as a client
- * error before the handler runs (lib/claim.ts).
+ * error before the handler runs (lib/fastify/claim.ts).
  *
  * Why chunks: building the whole text and hashing it once cost about 5x JSON.parse of the same
  * body (1 MiB flat array); the chunks are hashed as they fill (benchmarks/fingerprint.ts).

@@ -8,7 +8,7 @@ import { isThenable } from './thenable.js'
 import { bounded, boundedPromise } from './timeout.js'
 
 /*
- * Writes a key's outcome to the store once the lifecycle (lib/lifecycle.ts) has decided it: record
+ * Writes a key's outcome to the store once the lifecycle (lib/core/lifecycle.ts) has decided it: record
  * the response, hold the key for the reconciler, release it, or give back a claim that landed too
  * late. What is decided is never undone by a store that fails: a record or a hold is tried again,
  * briefly while the client waits, then in the background while the lease keeps being renewed,

@@ -1,5 +1,5 @@
 import type { FastifyInstance } from 'fastify'
-import { UnprotectedRoutesError } from './errors.js'
+import { UnprotectedRoutesError } from '../core/errors.js'
 import { bootWarning, WARNING_CODES } from './warnings.js'
 
 export type EarlierRoutesPolicy = 'fail' | 'warn'

@@ -1,7 +1,7 @@
 import type { FastifyInstance } from 'fastify'
-import { StoreNotReadyError } from './errors.js'
-import type { IdempotencyStore } from './store.js'
-import { bounded } from './timeout.js'
+import { StoreNotReadyError } from '../core/errors.js'
+import type { IdempotencyStore } from '../core/store.js'
+import { bounded } from '../core/timeout.js'
 import { bootWarning, WARNING_CODES } from './warnings.js'
 
 /**

@@ -200,7 +200,7 @@ async function reconcilePass (source: ReconcileSource, settings: ResolvedReconci
   return report
 }
 
-/** Sealed for the record and the fingerprint it holds, as the plugin's own complete would (lib/encryption.ts). */
+/** Sealed for the record and the fingerprint it holds, as the plugin's own complete would (lib/core/encryption.ts). */
 function sealed (keyring: Keyring | null, id: RecordId, fingerprint: Fingerprint, response: StoredResponse): StoredResponse {
   return keyring === null ? response : sealResponse(keyring, id, fingerprint, response)
 }

@@ -1,5 +1,5 @@
 import { createSecretKey, type KeyObject } from 'node:crypto'
-import { describeValue } from '../client/describe-value.js'
+import { describeValue } from '../../client/describe-value.js'
 import { InvalidOptionError } from './errors.js'
 
 /** One AES-256 key of the `encryption` option. */

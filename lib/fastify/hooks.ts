@@ -2,13 +2,13 @@ import type {
   FastifyError, FastifyInstance, FastifyReply, FastifyRequest, HookHandlerDoneFunction, RequestPayload, RouteHandlerMethod
 } from 'fastify'
 import { claimKey } from './claim.js'
-import { kState, RequestState, stateOf, type StatefulRequest } from './context.js'
-import { answer, type Engine } from './engine.js'
-import { hashingStream, startRawHash } from './fingerprint.js'
-import { parseKey } from './key.js'
-import { isThenable } from './thenable.js'
-import { observe } from './observe.js'
-import type { RouteSettings } from './options.js'
+import { kState, RequestState, stateOf, type StatefulRequest } from '../core/context.js'
+import { answer, type Engine } from '../core/engine.js'
+import { hashingStream, startRawHash } from '../core/fingerprint.js'
+import { parseKey } from '../http/key.js'
+import { isThenable } from '../core/thenable.js'
+import { observe } from '../core/observe.js'
+import type { RouteSettings } from '../http/options.js'
 import { releaseUnsent, rollBackForDepartedClient, settleOwner } from './settle.js'
 
 export interface RouteHooks {
@@ -17,7 +17,7 @@ export interface RouteHooks {
   readonly preHandler: (request: FastifyRequest, reply: FastifyReply, done: HookHandlerDoneFunction) => Promise<FastifyReply | undefined> | undefined
   readonly onError: (request: FastifyRequest, reply: FastifyReply, error: FastifyError, done: () => void) => void
   readonly onResponse: (request: FastifyRequest, reply: FastifyReply, done: HookHandlerDoneFunction) => void
-  /** Atomic mode only: lease mode has nothing to do when a socket times out (lib/lifecycle.ts). */
+  /** Atomic mode only: lease mode has nothing to do when a socket times out (lib/core/lifecycle.ts). */
   readonly onTimeout: ((request: FastifyRequest, reply: FastifyReply, done: HookHandlerDoneFunction) => void) | null
 }
 
@@ -51,7 +51,7 @@ export function routeHooks (engine: Engine, settings: RouteSettings, methods: Re
     done(null, hashingStream(payload, state.rawHash))
   }
 
-  // Callback style when the claim is synchronous (lib/claim.ts): the handler runs (done()), or the
+  // Callback style when the claim is synchronous (lib/fastify/claim.ts): the handler runs (done()), or the
   // request was answered (no done(): the chain stops there). Otherwise the claim's promise, which
   // Fastify awaits: it resolves with undefined (run) or with the reply (answered, once sent).
   function idempotencyClaim (request: FastifyRequest, reply: FastifyReply, done: HookHandlerDoneFunction): Promise<FastifyReply | undefined> | undefined {
@@ -70,7 +70,7 @@ export function routeHooks (engine: Engine, settings: RouteSettings, methods: Re
   }
 
   // An error answering the request is a failure whatever status the error handler turns it into
-  // (lib/lifecycle.ts decides the key's fate); one that answers while the claim is in flight keeps
+  // (lib/core/lifecycle.ts decides the key's fate); one that answers while the claim is in flight keeps
   // the handler from running.
   function idempotencyFlagError (request: FastifyRequest, _reply: FastifyReply, _error: FastifyError, done: () => void): void {
     stateOf(request)?.lifecycle.errored()

@@ -1,6 +1,6 @@
 import type { FastifyRequest } from 'fastify'
-import { EmptyScopeError } from './errors.js'
-import { isThenable } from './thenable.js'
+import { EmptyScopeError } from '../core/errors.js'
+import { isThenable } from '../core/thenable.js'
 import type { ScopeFunction } from './options.js'
 
 /** A lone surrogate (\p{Cs} in a u-mode pattern matches only unpaired ones) or NUL. */

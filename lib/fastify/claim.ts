@@ -1,23 +1,23 @@
 import type { FastifyReply, FastifyRequest } from 'fastify'
-import type { IdempotencyContext, RequestState } from './context.js'
-import { answer, type Engine } from './engine.js'
-import { StoreTimeoutError } from './errors.js'
-import { observe } from './observe.js'
-import { canonicalFingerprint, customFingerprint, finishRawHash, startRawHash } from './fingerprint.js'
-import { CanonicalLimitError } from './fingerprint-canonical.js'
-import { keyedFingerprint, matchFingerprint, UNVERIFIABLE } from './fingerprint-keys.js'
-import { SealedResponseError } from './encryption.js'
-import { replyValue } from './headers.js'
-import { RequestContext } from './recovery.js'
-import { scopeOf } from './scope.js'
-import { isThenable } from './thenable.js'
-import { isReference, sendRebuilt } from './reference.js'
-import { clearInFlight, consultPrefilter, markInFlight, rememberCompleted } from './prefiltering.js'
-import { giveBack } from './outcome.js'
+import type { IdempotencyContext, RequestState } from '../core/context.js'
+import { answer, type Engine } from '../core/engine.js'
+import { StoreTimeoutError } from '../core/errors.js'
+import { observe } from '../core/observe.js'
+import { canonicalFingerprint, customFingerprint, finishRawHash, startRawHash } from '../core/fingerprint.js'
+import { CanonicalLimitError } from '../core/fingerprint-canonical.js'
+import { keyedFingerprint, matchFingerprint, UNVERIFIABLE } from '../core/fingerprint-keys.js'
+import { SealedResponseError } from '../core/encryption.js'
+import { replyValue } from '../http/headers.js'
+import { RequestContext } from '../core/recovery.js'
+import { scopeOf } from '../http/scope.js'
+import { isThenable } from '../core/thenable.js'
+import { isReference, sendRebuilt } from '../http/reference.js'
+import { clearInFlight, consultPrefilter, markInFlight, rememberCompleted } from '../core/prefiltering.js'
+import { giveBack } from '../core/outcome.js'
 import { rollBackForDepartedClient } from './settle.js'
-import type { Answer, ClaimAcquired, ClaimCompleted, ClaimInProgress, ClaimRequest, ClaimResult, Fingerprint, StoredResponse } from './store.js'
-import { bounded, boundedPromise } from './timeout.js'
-import { localId } from './waiters.js'
+import type { Answer, ClaimAcquired, ClaimCompleted, ClaimInProgress, ClaimRequest, ClaimResult, Fingerprint, StoredResponse } from '../core/store.js'
+import { bounded, boundedPromise } from '../core/timeout.js'
+import { localId } from '../core/waiters.js'
 
 /** Polling of a store for an in-flight original owned by another process: 10 ms, doubling to 250 ms. */
 const FIRST_POLL_MS = 10
@@ -55,7 +55,7 @@ function claimScoped (engine: Engine, request: FastifyRequest, reply: FastifyRep
 }
 
 /**
- * The fingerprint stored for this request: with `encryption`, keyed (lib/fingerprint-keys.ts), so
+ * The fingerprint stored for this request: with `encryption`, keyed (lib/core/fingerprint-keys.ts), so
  * the store never holds a guessable hash of the request; the unkeyed one stays with the request,
  * to recognise records made under an older key.
  */
@@ -129,8 +129,8 @@ function claimed (engine: Engine, request: FastifyRequest, reply: FastifyReply, 
 /**
  * The store handed the key over: the lifecycle says whether this request can still use it. Not when
  * another answer went out while the claim was in flight (a handlerTimeout: the handler never runs),
- * nor when the answer came back too late in its lease (lib/lifecycle.ts, `landed`): the key is given
- * back at once, so no retry waits a lease for it (lib/outcome.ts, `giveBack`).
+ * nor when the answer came back too late in its lease (lib/core/lifecycle.ts, `landed`): the key is given
+ * back at once, so no retry waits a lease for it (lib/core/outcome.ts, `giveBack`).
  */
 function acquired (engine: Engine, request: FastifyRequest, reply: FastifyReply, state: RequestState, result: ClaimAcquired, askedAt: number | null): Claimed {
   switch (state.lifecycle.landed(engine, result, askedAt)) {
@@ -150,7 +150,7 @@ function acquired (engine: Engine, request: FastifyRequest, reply: FastifyReply,
 /**
  * The claim with a pre-filter, a `wait`, or in atomic mode. The pre-filter answers only from a
  * completed copy, which is the store's committed record; an in-flight marker is not the store's word
- * (it may be older than the store's answer, or this very request's: lib/prefilter.ts), so it never
+ * (it may be older than the store's answer, or this very request's: lib/core/prefilter.ts), so it never
  * answers: while the route may wait, it is a reason to wait without asking the store, and the store
  * is asked before any answer is given.
  */
@@ -231,7 +231,7 @@ function answerHeld (engine: Engine, request: FastifyRequest, reply: FastifyRepl
 }
 
 /**
- * Whether `stored` was made for this request (lib/fingerprint-keys.ts): the same fingerprint, the
+ * Whether `stored` was made for this request (lib/core/fingerprint-keys.ts): the same fingerprint, the
  * request's under an older key still in the ring, or its unkeyed one for a record made before
  * encryption was enabled; null for another request; UNVERIFIABLE for a key no longer in the ring.
  */

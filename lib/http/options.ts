@@ -1,18 +1,18 @@
 import type { FastifyRequest } from 'fastify'
-import { InvalidOptionError } from './errors.js'
-import type { FingerprintFunction, FingerprintOption } from './fingerprint.js'
-import type { CanonicalLimits } from './fingerprint-canonical.js'
+import { InvalidOptionError } from '../core/errors.js'
+import type { FingerprintFunction, FingerprintOption } from '../core/fingerprint.js'
+import type { CanonicalLimits } from '../core/fingerprint-canonical.js'
 import { DEFAULT_REPLAY_HEADERS, isSensitiveHeader, NEVER_REPLAYED } from './headers.js'
 import type { KeyFormat } from './key.js'
-import { resolveKeyring, type EncryptionOptions, type Keyring } from './keyring.js'
+import { resolveKeyring, type EncryptionOptions, type Keyring } from '../core/keyring.js'
 import type { RebuildFunction } from './reference.js'
-import { createMetrics, type MeterLike, type Metrics } from './observe.js'
+import { createMetrics, type MeterLike, type Metrics } from '../core/observe.js'
 import { PROFILE_NAMES, type ProfileName } from './profiles.js'
-import { booleanOption, integerOption, MAX_TIMER_MS } from './validate.js'
-import type { EarlierRoutesPolicy } from './earlier-routes.js'
+import { booleanOption, integerOption, MAX_TIMER_MS } from '../core/validate.js'
+import type { EarlierRoutesPolicy } from '../fastify/earlier-routes.js'
 import { refuseEmptyScope } from './scope.js'
-import type { IdempotencyPrefilter } from './prefilter.js'
-import type { IdempotencyStore } from './store.js'
+import type { IdempotencyPrefilter } from '../core/prefilter.js'
+import type { IdempotencyStore } from '../core/store.js'
 
 export type ScopeFunction = (request: FastifyRequest) => string | Promise<string>
 export type RecordRule = (statusCode: number) => boolean
@@ -122,7 +122,7 @@ export interface IdempotencyOptions extends RouteIdempotencyOptions {
   docsUrl?: string
   /**
    * Documents each protected route in its schema (the Idempotency-Key header, the plugin's error
-   * answers, the replay marker) for @fastify/swagger (lib/openapi.ts). `'auto'`: only when
+   * answers, the replay marker) for @fastify/swagger (lib/http/openapi.ts). `'auto'`: only when
    * @fastify/swagger is registered (the instance has its `swagger` decorator when the route is
    * added), since Fastify also compiles what is documented (a header validator, serializers) and
    * an app without a spec should not pay for one. Set `false` when the app replaces Fastify's JSON
@@ -229,7 +229,7 @@ const HEADER_NAME = /^[!#$%&'*+.^_`|~0-9a-zA-Z-]+$/
 const ABSOLUTE_URI = /^[a-zA-Z][a-zA-Z0-9+.-]*:\S+$/
 
 /*
- * The canonical walk's bounds (lib/fingerprint-canonical.ts). 128 levels: twice .NET's
+ * The canonical walk's bounds (lib/core/fingerprint-canonical.ts). 128 levels: twice .NET's
  * System.Text.Json default (64) and serde_json's recursion limit; request bodies of real APIs
  * nest a handful of levels, and thousands of levels are only ever an attack (or a bug). 2^20
  * values: a JSON text of n bytes holds at most n / 2 + 1 values ("[0,0,...]"), so Fastify's
@@ -451,7 +451,7 @@ function resolveStatusRoute (value: unknown): StatusRouteSettings | null {
   if (typeof url !== 'string' || !STATUS_URL.test(url) || !url.split('/').includes(':key')) {
     throw new InvalidOptionError(name, "a path starting with / with a ':key' segment, such as '/idempotency-keys/:key'", url)
   }
-  // The route is also declared as `<path before :key>/*` (lib/status-route.ts), so what follows the key must be static.
+  // The route is also declared as `<path before :key>/*` (lib/http/status-route.ts), so what follows the key must be static.
   const segments = url.split('/')
   if (url.includes('*') || segments.slice(segments.indexOf(':key') + 1).some((segment) => segment.includes(':'))) {
     throw new InvalidOptionError(name, "a path whose segments after ':key' are static, without '*'", url)

@@ -1,20 +1,20 @@
 import type { FastifyInstance, FastifyPluginCallback, RouteOptions } from 'fastify'
-import { kState } from './context.js'
+import { kState } from '../core/context.js'
 import { checkEarlierRoutes } from './earlier-routes.js'
-import { sealAtRest } from './encryption.js'
-import type { Engine } from './engine.js'
-import { InvalidOptionError } from './errors.js'
-import { deriveFingerprintKeys } from './fingerprint-keys.js'
+import { sealAtRest } from '../core/encryption.js'
+import type { Engine } from '../core/engine.js'
+import { InvalidOptionError } from '../core/errors.js'
+import { deriveFingerprintKeys } from '../core/fingerprint-keys.js'
 import { createRecordHook, routeHooks, trackHandler } from './hooks.js'
-import { documentRoute } from './openapi.js'
-import { resolveGlobalOptions, resolveRouteConfig, type GlobalSettings, type IdempotencyOptions, type RouteSettings } from './options.js'
-import { buildProblemBodies } from './problems.js'
-import type { IdempotencyPrefilter } from './prefilter.js'
-import { registerStatusRoute } from './status-route.js'
+import { documentRoute } from '../http/openapi.js'
+import { resolveGlobalOptions, resolveRouteConfig, type GlobalSettings, type IdempotencyOptions, type RouteSettings } from '../http/options.js'
+import { buildProblemBodies } from '../http/problems.js'
+import type { IdempotencyPrefilter } from '../core/prefilter.js'
+import { registerStatusRoute } from '../http/status-route.js'
 import { checkStoreWhenReady } from './store-check.js'
-import type { IdempotencyStore } from './store.js'
-import { Waiters } from './waiters.js'
-import { isMemoryStore, memoryStore } from '../drivers/memory.js'
+import type { IdempotencyStore } from '../core/store.js'
+import { Waiters } from '../core/waiters.js'
+import { isMemoryStore, memoryStore } from '../../drivers/memory.js'
 import { warnAboutDeployment } from './warnings.js'
 
 const STORE_METHODS = ['claim', 'complete', 'release', 'renew', 'get', 'purgeExpired', 'close'] as const
@@ -36,7 +36,7 @@ export const idempotencyPlugin: FastifyPluginCallback<IdempotencyOptions> = func
   const store = options.store ?? memoryStore()
 
   const problemOptions = { typeBase: global.problemTypeBase, docsUrl: global.docsUrl, profile: global.profile }
-  // With `encryption`, every driver and the pre-filter hold sealed responses (lib/encryption.ts).
+  // With `encryption`, every driver and the pre-filter hold sealed responses (lib/core/encryption.ts).
   const atRest = sealAtRest(global.encryption, store, options.prefilter ?? null)
   const engine: Engine = {
     store: atRest.store,

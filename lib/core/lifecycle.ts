@@ -120,13 +120,13 @@ export type Landing =
 /** A lease is renewed three times per lease: two renewals in a row may fail before it lapses. */
 const renewalInterval = (lease: number): number => Math.max(1, Math.floor(lease / 3))
 
-/** Owners due for a renewal, one schedule per renewal interval (lib/schedule.ts). */
+/** Owners due for a renewal, one schedule per renewal interval (lib/core/schedule.ts). */
 const renewals = schedules<Lifecycle>((lifecycle) => {
   lifecycle.renewOnSchedule().catch(/* c8 ignore next: renewOnSchedule catches the store's failures */ () => {})
 }, false)
 
 export class Lifecycle implements Scheduled {
-  // The renewal schedule's links (lib/schedule.ts): the owner waits in it between renewals.
+  // The renewal schedule's links (lib/core/schedule.ts): the owner waits in it between renewals.
   dueAt = 0
   previous: Scheduled | null = null
   next: Scheduled | null = null
@@ -141,7 +141,7 @@ export class Lifecycle implements Scheduled {
   #ownedAt = 0
   /** onSend of the owner's answer has started and not yet handed the payload back to Fastify. */
   #responding = false
-  /** The route's handler is running (tracked by the handler wrapper, lib/hooks.ts). */
+  /** The route's handler is running (tracked by the handler wrapper, lib/fastify/hooks.ts). */
   #handlerRunning = false
   /** An error reached the owner's request: its answer is a failure. */
   #threw = false

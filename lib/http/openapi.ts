@@ -1,5 +1,5 @@
 import type { FastifySchema, RouteOptions } from 'fastify'
-import type { Engine } from './engine.js'
+import type { Engine } from '../core/engine.js'
 import type { GlobalSettings, RouteSettings } from './options.js'
 import { PROBLEMS, type ProblemKind } from './problems.js'
 

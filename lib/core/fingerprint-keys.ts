@@ -68,7 +68,7 @@ export const UNVERIFIABLE = Symbol('fastify-idempotency.unverifiable-fingerprint
  * - the same algorithm: `own`, when the digests are equal;
  * - with `encryption`, a record made before it was enabled (the unkeyed algorithm): `unkeyed`, when
  *   its digest is equal (its response, stored in clear, is still refused unless
- *   `encryption.acceptUnsealed`: lib/encryption.ts; an in-progress one is taken over as usual);
+ *   `encryption.acceptUnsealed`: lib/core/encryption.ts; an in-progress one is taken over as usual);
  * - a record keyed under an older key still in the ring (a rotation): the request's MAC under it,
  *   when equal.
  * A keyed record whose key is not in the ring (removed too early, or encryption turned off) is

@@ -1,4 +1,4 @@
-import { describeValue } from '../client/describe-value.js'
+import { describeValue } from '../../client/describe-value.js'
 
 /**
  * Thrown at registration (or when a route is added) for an option that cannot work, by the plugin

@@ -1,6 +1,6 @@
 import type { FastifyReply } from 'fastify'
 import type { RequestState } from './context.js'
-import { sendProblem, type ProblemAnswer, type ProblemBodies, type ProblemOptions } from './problems.js'
+import { sendProblem, type ProblemAnswer, type ProblemBodies, type ProblemOptions } from '../http/problems.js'
 import type { FingerprintKeys } from './fingerprint-keys.js'
 import type { Metrics } from './observe.js'
 import type { IdempotencyPrefilter } from './prefilter.js'
@@ -9,15 +9,15 @@ import type { Waiters } from './waiters.js'
 
 /** What every hook of one plugin registration shares. */
 export interface Engine {
-  /** The store given (sealed when `encryption` is set): its methods are the only way to it (lib/store.ts). */
+  /** The store given (sealed when `encryption` is set): its methods are the only way to it (lib/core/store.ts). */
   readonly store: IdempotencyStore
   readonly prefilter: IdempotencyPrefilter | null
   readonly waiters: Waiters
   readonly problems: ProblemBodies
   readonly problemOptions: ProblemOptions
-  /** The `metrics` option's instruments, or null (lib/observe.ts). */
+  /** The `metrics` option's instruments, or null (lib/core/observe.ts). */
   readonly metrics: Metrics | null
-  /** MAC keys of keyed fingerprints, derived from the `encryption` option (lib/fingerprint-keys.ts), or null. */
+  /** MAC keys of keyed fingerprints, derived from the `encryption` option (lib/core/fingerprint-keys.ts), or null. */
   readonly fingerprintKeys: FingerprintKeys | null
   /** Set when the Fastify instance closes: settlements still retrying in the background stop. */
   closed: boolean

@@ -1,7 +1,7 @@
 import type { Hash } from 'node:crypto'
 import type { FastifyBaseLogger, FastifyRequest } from 'fastify'
 import { Lifecycle } from './lifecycle.js'
-import type { RouteSettings } from './options.js'
+import type { RouteSettings } from '../http/options.js'
 import type { RequestContext } from './recovery.js'
 import type { Fingerprint, OutboxEntry, RecordId } from './store.js'
 
@@ -72,13 +72,13 @@ export class RequestState {
   scope = ''
   rawHash: Hash | null = null
   /**
-   * The request's unkeyed fingerprint (lib/fingerprint-keys.ts): with `encryption` it is never
+   * The request's unkeyed fingerprint (lib/core/fingerprint-keys.ts): with `encryption` it is never
    * stored, and is kept here to recompute the request's fingerprint under an older key.
    */
   unkeyedFingerprint: Fingerprint | null = null
   /** The claim took a record's fingerprint made under an older key (at most once per request). */
   adoptedFingerprint = false
-  /** The phase, the lease's renewal and the key's fate: changed only through it (lib/lifecycle.ts). */
+  /** The phase, the lease's renewal and the key's fate: changed only through it (lib/core/lifecycle.ts). */
   readonly lifecycle: Lifecycle = new Lifecycle(this)
   /** (scope, key) as one object, for the pre-filter's calls. */
   recordId: RecordId | null = null

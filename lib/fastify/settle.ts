@@ -1,26 +1,26 @@
 import { validateHeaderName, validateHeaderValue } from 'node:http'
 import type { FastifyReply } from 'fastify'
 import { captureStream, classifyPayload, type CapturedPayload } from './capture.js'
-import type { RequestState } from './context.js'
-import type { Engine } from './engine.js'
-import { RolledBackError, TransactionEndedError } from './errors.js'
-import { observe } from './observe.js'
-import { pickReplayHeaders } from './headers.js'
-import type { Ending } from './lifecycle.js'
-import { conclude, record } from './outcome.js'
-import { clearInFlight, rememberCompleted } from './prefiltering.js'
-import { applyProblem, type ProblemKind } from './problems.js'
-import { deliverEnqueued } from './recovery.js'
-import { referenceRecord } from './reference.js'
-import type { Lease, StoredResponse } from './store.js'
-import { isThenable } from './thenable.js'
-import { bounded } from './timeout.js'
+import type { RequestState } from '../core/context.js'
+import type { Engine } from '../core/engine.js'
+import { RolledBackError, TransactionEndedError } from '../core/errors.js'
+import { observe } from '../core/observe.js'
+import { pickReplayHeaders } from '../http/headers.js'
+import type { Ending } from '../core/lifecycle.js'
+import { conclude, record } from '../core/outcome.js'
+import { clearInFlight, rememberCompleted } from '../core/prefiltering.js'
+import { applyProblem, type ProblemKind } from '../http/problems.js'
+import { deliverEnqueued } from '../core/recovery.js'
+import { referenceRecord } from '../http/reference.js'
+import type { Lease, StoredResponse } from '../core/store.js'
+import { isThenable } from '../core/thenable.js'
+import { bounded } from '../core/timeout.js'
 
 /**
  * onSend of the request that owns the key (the lifecycle moved it to `settling`): records the
  * response before it leaves (for a stream, before its last byte leaves), or releases or holds the
- * key, as the lifecycle decides (lib/lifecycle.ts, the fate table). Returns the payload to send on:
- * at once when the store answered directly (lib/store.ts), else a promise of it. Whatever goes wrong
+ * key, as the lifecycle decides (lib/core/lifecycle.ts, the fate table). Returns the payload to send on:
+ * at once when the store answered directly (lib/core/store.ts), else a promise of it. Whatever goes wrong
  * in here (a bug, a payload that cannot be captured), the key is recorded, held or released, never
  * stranded in progress, and never released once the handler returned an answer.
  */
@@ -171,7 +171,7 @@ export async function releaseUnsent (engine: Engine, state: RequestState): Promi
 /**
  * Atomic mode, the client went away before the answer was committed: roll back now, which removes
  * the claim and the handler's writes together (its later queries fail), so a retry runs the
- * operation afresh. Lease mode: nothing to do (see lib/lifecycle.ts).
+ * operation afresh. Lease mode: nothing to do (see lib/core/lifecycle.ts).
  */
 export function rollBackForDepartedClient (engine: Engine, state: RequestState): void {
   if (state.lifecycle.clientLeft()) {
