@@ -35,7 +35,7 @@ export type {
 } from './core/reconcile.js'
 export type { EncryptionKey, EncryptionOptions } from './core/keyring.js'
 export type { FingerprintFunction, FingerprintOption } from './core/fingerprint.js'
-export type { KeyFormat } from './http/key.js'
+export type { KeyFormat, KeyFunction } from './http/key.js'
 export type { IdempotencyOptions, RecordRule, RouteIdempotencyOptions, ScopeFunction, StatusRouteOptions } from './http/options.js'
 export { DECISION_CHANNEL, type DecisionEvent, type MeterLike, type Outcome } from './core/observe.js'
 export type { IdempotencyPrefilter, PrefilterHit } from './core/prefilter.js'

@@ -97,7 +97,8 @@ export class RequestState {
   readonly startedAt = performance.now()
 
   constructor (
-    readonly key: string,
+    /** Set once: when the route's `key` option gives it, in the claim (lib/fastify/hooks.ts). */
+    public key: string,
     readonly settings: RouteSettings,
     readonly request: FastifyRequest
   ) {

@@ -5,7 +5,7 @@ import { claimKey } from './claim.js'
 import { kState, RequestState, stateOf, type StatefulRequest } from '../core/context.js'
 import { answer, type Engine } from '../core/engine.js'
 import { hashingStream, startRawHash } from '../core/fingerprint.js'
-import { parseKey } from '../http/key.js'
+import { keyFromFunction, parseKey, type KeyFunction, type ParsedKey } from '../http/key.js'
 import { isThenable } from '../core/thenable.js'
 import { observe } from '../core/observe.js'
 import type { RouteSettings } from '../http/options.js'
@@ -29,18 +29,49 @@ export function routeHooks (engine: Engine, settings: RouteSettings, methods: Re
   // onRequest: the key needs no body, so a missing or malformed one is refused before any parsing.
   function idempotencyParseKey (request: FastifyRequest, reply: FastifyReply, done: HookHandlerDoneFunction): void {
     if (methods !== null && !methods.has(request.method)) return done()
+    // A key from the `key` option is read in the claim, once the route's verification has run:
+    // the state is there for the body's hash, with no key yet.
+    if (settings.key !== null) {
+      (request as StatefulRequest)[kState] = new RequestState('', settings, request)
+      return done()
+    }
     const parsed = parseKey(request.headers['idempotency-key'], request.raw.rawHeaders, settings.keyFormat, settings.maxKeyLength)
     if (parsed.ok) {
       (request as StatefulRequest)[kState] = new RequestState(parsed.key, settings, request)
       return done()
     }
     if (parsed.reason === 'missing' && !settings.required) return done()
+    // Answered from the hook: not calling done() ends the lifecycle here (the handler never runs).
+    refuseKey(request, reply, parsed)
+  }
+
+  function refuseKey (request: FastifyRequest, reply: FastifyReply, parsed: Exclude<ParsedKey, { ok: true }>): FastifyReply {
     const refused = { key: '', scope: '', log: request.log, request, startedAt: performance.now() }
     observe(engine.metrics, refused, parsed.reason === 'missing' ? 'key_missing' : 'key_invalid', 'info', 'idempotency: request refused')
-    // Answered from the hook: not calling done() ends the lifecycle here (the handler never runs).
-    answer(engine, null, reply, parsed.reason === 'missing'
-      ? { kind: 'key-missing' }
-      : { kind: 'key-invalid', detail: parsed.detail })
+    return answer(engine, null, reply, { kind: parsed.reason === 'missing' ? 'key-missing' : 'key-invalid', detail: parsed.detail })
+  }
+
+  /**
+   * The `key` option's key, once the request is verified and its body parsed: true when the claim
+   * goes on; false when the request runs unprotected or was answered (and `done` was dealt with).
+   */
+  function keyFromRoute (keyOf: KeyFunction, request: FastifyRequest, reply: FastifyReply, state: RequestState, done: HookHandlerDoneFunction): boolean {
+    let parsed: ParsedKey
+    try {
+      parsed = keyFromFunction(keyOf, request, settings.maxKeyLength)
+    } catch (err) {
+      (request as StatefulRequest)[kState] = null
+      done(err as Error)
+      return false
+    }
+    if (parsed.ok) {
+      state.key = parsed.key
+      return true
+    }
+    (request as StatefulRequest)[kState] = null
+    if (parsed.reason === 'missing' && !settings.required) done()
+    else refuseKey(request, reply, parsed)
+    return false
   }
 
   // preParsing (raw fingerprints only): hash the body bytes as they stream to the parser.
@@ -62,6 +93,7 @@ export function routeHooks (engine: Engine, settings: RouteSettings, methods: Re
       done()
       return undefined
     }
+    if (settings.key !== null && !keyFromRoute(settings.key, request, reply, state, done)) return undefined
     const claimed = claimKey(engine, request, reply, state)
     if (claimed === undefined) done()
     // The reply is a thenable too: answered synchronously, it is returned as itself.

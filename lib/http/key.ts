@@ -1,4 +1,6 @@
+import type { FastifyRequest } from 'fastify'
 import { parseItem, ParseError } from 'structured-headers'
+import { describeValue } from '../../client/describe-value.js'
 
 export type KeyFormat = 'strict' | 'lenient'
 
@@ -97,4 +99,27 @@ function readBareValue (value: string): string | ParsedKey {
     }
   }
   return value
+}
+
+/** A route's `key` option: the key from elsewhere in the request (a webhook's event id), or undefined. */
+export type KeyFunction = (request: FastifyRequest) => string | undefined
+
+const NO_KEY_FROM_FUNCTION: ParsedKey = { ok: false, reason: 'missing', detail: 'This operation requires a key, and the request carries none where this route looks for it.' }
+
+/**
+ * The key a route's `key` function returns, taken verbatim: it is the sender's identifier (an event
+ * id, a delivery id), not a Structured Field, so nothing is unquoted. Control characters are refused
+ * (no driver can store a NUL, and a key is logged), and so is anything longer than `maxLength`.
+ */
+export function keyFromFunction (fn: KeyFunction, request: FastifyRequest, maxLength: number): ParsedKey {
+  const key: unknown = fn(request)
+  if (key === undefined) return NO_KEY_FROM_FUNCTION
+  if (typeof key !== 'string') {
+    throw new TypeError(`fastify-idempotency: the route's key function must return a string or undefined; it returned ${describeValue(key)}`)
+  }
+  if (key.length === 0) return invalid('The key must not be empty.')
+  if (key.length > maxLength) return invalid(`The key must be at most ${maxLength} characters long.`)
+  // eslint-disable-next-line no-control-regex
+  if (/[\u0000-\u001f\u007f]/.test(key)) return invalid('The key must not contain control characters.')
+  return { ok: true, key }
 }

@@ -37,7 +37,8 @@ export function documentRoute (
 
   const documented: Schema = { ...own }
   let changed = false
-  if (route.validatorCompiler === undefined) {
+  // A route with a `key` option does not read the header: documenting it would invite clients to send one.
+  if (route.validatorCompiler === undefined && settings.key === null) {
     const headers = withKeyHeader(own.headers, keyParameter(settings, methods), settings.required && methods === null)
     if (headers !== undefined) {
       documented.headers = headers

@@ -3,7 +3,7 @@ import { InvalidOptionError } from '../core/errors.js'
 import type { FingerprintFunction, FingerprintOption } from '../core/fingerprint.js'
 import type { CanonicalLimits } from '../core/fingerprint-canonical.js'
 import { DEFAULT_REPLAY_HEADERS, isSensitiveHeader, NEVER_REPLAYED } from './headers.js'
-import type { KeyFormat } from './key.js'
+import type { KeyFormat, KeyFunction } from './key.js'
 import { resolveKeyring, type EncryptionOptions, type Keyring } from '../core/keyring.js'
 import type { RebuildFunction } from './reference.js'
 import { createMetrics, type MeterLike, type Metrics } from '../core/observe.js'
@@ -44,6 +44,17 @@ export interface RouteIdempotencyOptions {
   maxOwnership?: number
   /** How long a duplicate waits for an in-flight original before it gets 409, in ms. @defaultValue 0 */
   wait?: number
+  /**
+   * Where the key comes from when it is not the `Idempotency-Key` header: a webhook's event id in
+   * another header (`(request) => request.headers['webhook-id']`) or in the parsed body
+   * (`(request) => request.body.id`). Called in the claim, the route's last preHandler: after every
+   * onRequest, preParsing, preValidation and preHandler hook before it, so a request that fails
+   * its verification (a bad signature) never reaches the store. The key is taken verbatim (no
+   * Structured Field parsing) and checked against `maxKeyLength`; `undefined` means no key (400
+   * when `required`, else the request runs unprotected). The header is not read on such a route.
+   * @defaultValue the `Idempotency-Key` header
+   */
+  key?: KeyFunction
   /** @defaultValue 255 */
   maxKeyLength?: number
   /** `'lenient'` also accepts a bare (unquoted) key; `'strict'` only the draft's sf-string. @defaultValue 'lenient' */
@@ -182,6 +193,8 @@ export interface RouteSettings {
   readonly lease: number
   readonly maxOwnership: number
   readonly wait: number
+  /** The `key` option, or null to read the `Idempotency-Key` header. */
+  readonly key: KeyFunction | null
   readonly maxKeyLength: number
   readonly keyFormat: KeyFormat
   readonly fingerprint: ResolvedFingerprint
@@ -217,7 +230,7 @@ export interface GlobalSettings {
 }
 
 const ROUTE_OPTION_NAMES = [
-  'scope', 'required', 'ttl', 'lease', 'maxOwnership', 'wait', 'maxKeyLength', 'keyFormat', 'fingerprint', 'maxBodyDepth', 'maxBodyNodes', 'record',
+  'scope', 'required', 'ttl', 'lease', 'maxOwnership', 'wait', 'key', 'maxKeyLength', 'keyFormat', 'fingerprint', 'maxBodyDepth', 'maxBodyNodes', 'record',
   'maxResponseBytes', 'replayHeaders', 'unsafeReplayHeaders', 'onStoreError', 'storeTimeout', 'retryAfter', 'transaction', 'rebuild'
 ] as const
 const GLOBAL_OPTION_NAMES = new Set<string>([...ROUTE_OPTION_NAMES, 'store', 'prefilter', 'methods', 'problemTypeBase', 'docsUrl', 'encryption', 'statusRoute', 'profile', 'openapi', 'metrics', 'onEarlierRoutes', 'allowEmptyScope'])
@@ -245,6 +258,7 @@ const DEFAULT_ROUTE: RouteSettings = Object.freeze({
   lease: 30_000,
   maxOwnership: 0,
   wait: 0,
+  key: null,
   maxKeyLength: 255,
   keyFormat: 'lenient',
   fingerprint: Object.freeze({ mode: 'canonical' }),
@@ -322,6 +336,7 @@ function mergeRouteOptions (base: RouteSettings, options: RouteIdempotencyOption
       : integerOption(name('lease'), options.lease, base.lease, 1, MAX_TIMER_MS, 'milliseconds'),
     maxOwnership: integerOption(name('maxOwnership'), options.maxOwnership, base.maxOwnership, 0, MAX_TIMER_MS, 'milliseconds'),
     wait: integerOption(name('wait'), options.wait, base.wait, 0, MAX_TIMER_MS, 'milliseconds'),
+    key: options.key === undefined ? base.key : fn(name('key'), options.key),
     maxKeyLength: integerOption(name('maxKeyLength'), options.maxKeyLength, base.maxKeyLength, 1, 8192, 'characters'),
     keyFormat: options.keyFormat === undefined ? base.keyFormat : oneOf(name('keyFormat'), options.keyFormat, ['lenient', 'strict']),
     fingerprint: options.fingerprint === undefined ? base.fingerprint : resolveFingerprint(name('fingerprint'), options.fingerprint),
