@@ -1,5 +1,5 @@
 import type { FastifySchema, RouteOptions } from 'fastify'
-import type { Engine } from '../core/engine.js'
+import type { HttpEngine } from './engine.js'
 import type { GlobalSettings, RouteSettings } from './options.js'
 import { PROBLEMS, type ProblemKind } from './problems.js'
 
@@ -24,7 +24,7 @@ import { PROBLEMS, type ProblemKind } from './problems.js'
  */
 export function documentRoute (
   route: RouteOptions,
-  engine: Engine,
+  engine: HttpEngine,
   global: GlobalSettings,
   settings: RouteSettings,
   methods: ReadonlySet<string> | null
@@ -148,7 +148,7 @@ function declaresKey (headers: Schema): boolean {
 
 function withResponses (
   existing: unknown,
-  engine: Engine,
+  engine: HttpEngine,
   global: GlobalSettings,
   settings: RouteSettings,
   methods: ReadonlySet<string> | null
@@ -195,7 +195,7 @@ function replayedHeader (only: string): Schema {
   }
 }
 
-function problemsByStatus (engine: Engine, settings: RouteSettings): Map<number, RouteProblem[]> {
+function problemsByStatus (engine: HttpEngine, settings: RouteSettings): Map<number, RouteProblem[]> {
   const kinds: RouteProblem[] = []
   if (settings.required) kinds.push('key-missing')
   kinds.push('key-invalid', 'key-reused', 'request-in-progress', 'response-not-retained')
@@ -217,7 +217,7 @@ function problemsByStatus (engine: Engine, settings: RouteSettings): Map<number,
 /** One status's answers, each as the plugin sends it (the rendered body is the example). */
 function problemResponse (
   kinds: readonly RouteProblem[],
-  engine: Engine,
+  engine: HttpEngine,
   global: GlobalSettings,
   settings: RouteSettings,
   only: string

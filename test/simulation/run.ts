@@ -1,7 +1,7 @@
 import diagnostics from 'node:diagnostics_channel'
 import type { FastifyInstance, FastifyReply, FastifyRequest } from 'fastify'
-import { kState, stateOf } from '../../lib/core/context.js'
-import { DECISION_CHANNEL, type DecisionEvent } from '../../lib/core/observe.js'
+import { kState, stateOf } from '../../lib/fastify/request-state.js'
+import { DECISION_CHANNEL, type DecisionEvent } from '../../lib/index.js'
 import { seededRandom } from '../chaos/random.js'
 import { clock, now, settle } from './clock.js'
 import { CALM, Network, type CallRecord } from './network.js'
@@ -69,7 +69,7 @@ let active: { readonly network: Network, readonly flights: Map<number, Flight>, 
 diagnostics.subscribe(DECISION_CHANNEL, (message) => {
   if (active === null) return
   const event = message as DecisionEvent
-  const id = Number(event.request.headers['x-sim'])
+  const id = Number(event.request?.headers['x-sim'])
   const flight = active.flights.get(id)
   active.trace.log(`r${id} decision: ${event.outcome}`)
   if (event.outcome === 'conflict') {
