@@ -1,7 +1,6 @@
 import { Lifecycle } from './lifecycle.js'
 import type { Logger, Observed } from './observe.js'
 import type { CoreSettings } from './settings.js'
-import type { RequestContext } from './recovery.js'
 import type { Fingerprint, OutboxEntry, RecordId } from './store.js'
 
 /** What a protected request exposes as `request.idempotency`. */
@@ -64,6 +63,13 @@ export interface IdempotencyContext {
   enqueue (message: OutboxEntry, transaction?: unknown): Promise<void>
 }
 
+/** The operation's view as the core and the adapters use it: what they set on it besides what it exposes. */
+export interface OperationContext extends IdempotencyContext {
+  replayed: boolean
+  /** Atomic mode: the open transaction (typed by the Postgres entry point's augmentation). */
+  sql?: any
+}
+
 /**
  * What the core knows of one attempt to run an operation under a key: an HTTP request (the Fastify
  * adapter's subclass, lib/fastify/request-state.ts) or a job's run (lib/jobs/runner.ts). Every
@@ -84,7 +90,8 @@ export abstract class RequestState implements Observed {
   recordId: RecordId | null = null
   /** The pre-filter holds this request's in-flight marker (set by its first lookup). */
   markedInFlight = false
-  context: RequestContext | null = null
+  /** The operation's view (`request.idempotency`, a job's `op`), once the claim has its fingerprint (lib/core/recovery.ts). */
+  context: OperationContext | null = null
   /** Recorded step results, loaded from the store at the first step() call. */
   steps: Record<string, unknown> | null = null
   /** A message was enqueued in the transaction now open: deliver after it commits. */

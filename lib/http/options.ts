@@ -8,7 +8,7 @@ import type { RebuildFunction } from './reference.js'
 import { createMetrics, type MeterLike, type Metrics } from '../core/observe.js'
 import { PROFILE_NAMES, type ProfileName } from './profiles.js'
 import { booleanOption, integerOption, MAX_TIMER_MS } from '../core/validate.js'
-import { refuseEmptyScope } from './scope.js'
+import { refuseEmptyScope, type ScopeFunction } from './scope.js'
 import type { IdempotencyPrefilter } from '../core/prefilter.js'
 import type { IdempotencyStore } from '../core/store.js'
 
@@ -24,7 +24,7 @@ export type FingerprintOption = 'canonical' | 'raw' | FingerprintFunction
 /** What a route for a protected method declared before the plugin loaded does to the boot (lib/fastify/earlier-routes.ts). */
 export type EarlierRoutesPolicy = 'fail' | 'warn'
 
-export type ScopeFunction = (request: FastifyRequest) => string | Promise<string>
+export type { ScopeFunction }
 export type RecordRule = (statusCode: number) => boolean
 
 /** Options that make sense per route, in `config: { idempotency: { ... } }` as well as at registration. */
