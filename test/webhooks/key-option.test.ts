@@ -126,6 +126,24 @@ t.test('a key with a control character is a 400 key-invalid problem, and the sto
   }
 })
 
+t.test('a key with a C1 control or an unpaired surrogate is a 400 key-invalid problem; well-formed non-ASCII keys run', async (t) => {
+  // A lone surrogate (from a JSON body's "\\ud800") has no UTF-8 form: PostgreSQL would store U+FFFD,
+  // and "evt_\\ud800" and "evt_\\udbff" would be one key there.
+  for (const key of ['evt\u0085', 'evt\u009b[31m', 'evt_\ud800', 'evt_\udbff', 'evt_\udc00\ud800']) {
+    const { app, runs, storeCalls } = await hookRoute(t, { key: (request) => (request.body as { id: string }).id })
+    const res = await deliver(app, {}, { id: key })
+    assertProblem(t, res, 400, 'key-invalid', /control characters or unpaired surrogates/)
+    t.equal(runs(), 0, `${JSON.stringify(key)}: the handler did not run`)
+    t.equal(storeCalls(), 0, `${JSON.stringify(key)}: no store call`)
+  }
+  const { app, runs, contexts } = await hookRoute(t, { key: (request) => (request.body as { id: string }).id })
+  for (const key of ['évt_1', 'evt_\ud83d\ude00', 'evt_\u00a0']) {
+    t.equal((await deliver(app, {}, { id: key })).statusCode, 200, `${JSON.stringify(key)}: a key`)
+  }
+  t.equal(runs(), 3)
+  t.same(contexts.map((c) => c?.key), ['évt_1', 'evt_😀', 'evt_\u00a0'])
+})
+
 t.test('an empty key is a 400 key-invalid problem', async (t) => {
   const { app, runs } = await hookRoute(t, { key: () => '' })
   assertProblem(t, await deliver(app, {}), 400, 'key-invalid', /must not be empty/)
