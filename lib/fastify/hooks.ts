@@ -48,7 +48,10 @@ export function routeHooks (engine: Engine, settings: RouteSettings, methods: Re
   function refuseKey (request: FastifyRequest, reply: FastifyReply, parsed: Exclude<ParsedKey, { ok: true }>): FastifyReply {
     const refused = { key: '', scope: '', log: request.log, request, startedAt: performance.now() }
     observe(engine.metrics, refused, parsed.reason === 'missing' ? 'key_missing' : 'key_invalid', 'info', 'idempotency: request refused')
-    return answer(engine, null, reply, { kind: parsed.reason === 'missing' ? 'key-missing' : 'key-invalid', detail: parsed.detail })
+    if (parsed.reason === 'invalid') return answer(engine, null, reply, { kind: 'key-invalid', detail: parsed.detail })
+    // A missing header gets the profile's own key-missing answer (the body the OpenAPI example shows);
+    // a route with a `key` option says where it looked instead, since it reads no header.
+    return answer(engine, null, reply, settings.key === null ? { kind: 'key-missing' } : { kind: 'key-missing', detail: parsed.detail })
   }
 
   /**
