@@ -153,7 +153,7 @@ t.test('an empty key is a 400 key-invalid problem', async (t) => {
 t.test('no key (undefined) with required: a 400 key-missing problem, the handler never runs', async (t) => {
   const { app, runs, storeCalls } = await hookRoute(t, { key: fromHeader('webhook-id'), required: true })
   const res = await deliver(app, {})
-  assertProblem(t, res, 400, 'key-missing')
+  assertProblem(t, res, 400, 'key-missing', /carries none where this route looks for it/)
   t.equal(runs(), 0)
   t.equal(storeCalls(), 0)
 })
@@ -255,7 +255,7 @@ t.test('OpenAPI: a route with a key option documents no Idempotency-Key header, 
   app.post('/hook', { config: { idempotency: { key: fromHeader('webhook-id'), required: true } } }, async () => ({ received: true }))
   app.post('/payments', { config: { idempotency: { required: true } } }, async () => ({ ok: true }))
   await app.ready()
-  interface Operation { parameters?: Array<{ in: string, name: string }>, responses: Record<string, unknown> }
+  interface Operation { parameters?: Array<{ in: string, name: string }>, responses: Record<string, { description?: string } | undefined> }
   const paths = (app.swagger() as unknown as { paths: Record<string, Record<string, Operation>> }).paths
   const keyHeaders = (op: Operation | undefined): string[] =>
     (op?.parameters ?? []).filter((p) => p.in === 'header' && p.name.toLowerCase() === 'idempotency-key').map((p) => p.name)
@@ -263,6 +263,11 @@ t.test('OpenAPI: a route with a key option documents no Idempotency-Key header, 
   t.same(keyHeaders(paths['/payments']?.post), ['idempotency-key'], 'the header route beside it documents it (the check can fail)')
   t.ok(paths['/hook']?.post?.responses['409'], '409 documented')
   t.ok(paths['/hook']?.post?.responses['422'], '422 documented')
+  const refused = paths['/hook']?.post?.responses['400']?.description
+  t.notMatch(refused, /header/, `the 400s do not speak of a header the route does not read (${String(refused)})`)
+  t.match(refused, /carries no key where this operation looks for one/, 'key-missing')
+  t.match(refused, /not valid: empty, longer than 255 characters/, 'key-invalid, with the route\'s maxKeyLength')
+  t.match(paths['/payments']?.post?.responses['400']?.description, /The Idempotency-Key header is missing/, 'the header route keeps its own')
   const res = await app.inject({ method: 'POST', url: '/hook', headers: { 'webhook-id': 'msg_1' }, payload: {} })
   t.equal(res.statusCode, 200, 'the documented schema does not require the header')
 })
