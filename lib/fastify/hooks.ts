@@ -48,9 +48,10 @@ export function routeHooks (engine: HttpEngine, settings: RouteSettings, methods
 
   function refuseKey (request: FastifyRequest, reply: FastifyReply, parsed: Exclude<ParsedKey, { ok: true }>): FastifyReply {
     observe(engine.metrics, observedRequest(request, '', '', performance.now()), parsed.reason === 'missing' ? 'key_missing' : 'key_invalid', 'info', 'idempotency: request refused')
-    // A missing header gets the draft's own detail (§2.7); a missing key elsewhere says where it was looked for.
-    if (parsed.reason === 'missing' && settings.key === null) return answer(engine, null, reply, { kind: 'key-missing' })
-    return answer(engine, null, reply, { kind: parsed.reason === 'missing' ? 'key-missing' : 'key-invalid', detail: parsed.detail })
+    if (parsed.reason === 'invalid') return answer(engine, null, reply, { kind: 'key-invalid', detail: parsed.detail })
+    // A missing header gets the profile's own key-missing answer (the body the OpenAPI example shows);
+    // a route with a `key` option says where it looked instead, since it reads no header.
+    return answer(engine, null, reply, settings.key === null ? { kind: 'key-missing' } : { kind: 'key-missing', detail: parsed.detail })
   }
 
   /**

@@ -68,9 +68,15 @@ type RouteProblem = Extract<ProblemKind,
   'not-committed' | 'outcome-unknown' | 'transaction-ended' | 'body-too-deep' | 'body-too-large'>
 
 const WHEN: Readonly<Record<RouteProblem, (settings: RouteSettings) => string>> = {
-  'key-missing': () => `The Idempotency-Key header is missing, and this operation requires one (${DRAFT} §2.7).`,
-  'key-invalid': () => 'The Idempotency-Key header is not a valid key: not a Structured Field String (RFC 9651 §3.3.3), ' +
-    `empty, too long, or sent more than once (${DRAFT} §2.1).`,
+  // A route with a `key` option reads its key elsewhere (a webhook's event or delivery id), not from the header.
+  'key-missing': (settings) => settings.key === null
+    ? `The Idempotency-Key header is missing, and this operation requires one (${DRAFT} §2.7).`
+    : 'The request carries no key where this operation looks for one (such as an event or delivery id), and this operation requires one.',
+  'key-invalid': (settings) => settings.key === null
+    ? 'The Idempotency-Key header is not a valid key: not a Structured Field String (RFC 9651 §3.3.3), ' +
+      `empty, too long, or sent more than once (${DRAFT} §2.1).`
+    : `The key this operation takes from the request is not valid: empty, longer than ${settings.maxKeyLength} characters, ` +
+      'or holding control characters or unpaired surrogates.',
   'key-reused': () => 'The key was already used for a different request (method, target or body); the first request\'s ' +
     `outcome is kept, and is still replayed to that request (${DRAFT} §2.7).`,
   'request-in-progress': (settings) => 'A request with the same key is still being processed' +
