@@ -316,7 +316,7 @@ function suite (url: string): void {
           const mine = alerts.filter((decision) => decision.key === id)
           t.equal(mine.length, 1, 'one mismatch decision on the diagnostics channel, through the docs\' alertOnMismatch')
           t.match(mine[0], { outcome: 'mismatch', key: id, scope: recipe.scope, method: 'POST', route: recipe.url })
-          t.equal(mine[0]?.request.headers['content-type'], 'application/json', 'with the request')
+          t.equal(mine[0]?.request?.headers['content-type'], 'application/json', 'with the request')
         })
 
         t.test(`${name}: a bad signature is 401, and the store saw no call`, async (t) => {
