@@ -1,6 +1,8 @@
 import fp from 'fastify-plugin'
 import { idempotencyPlugin } from './fastify/plugin.js'
 import type { IdempotencyOptions } from './http/options.js'
+import type { DecisionEvent as CoreDecisionEvent } from './core/observe.js'
+import type { FastifyRequest } from 'fastify'
 import './fastify/types.js'
 
 /**
@@ -21,11 +23,13 @@ const fastifyIdempotency = fp<IdempotencyOptions>(idempotencyPlugin, { fastify: 
 
 export default fastifyIdempotency
 export { fastifyIdempotency }
+export { idempotencyRunner, type IdempotencyRunner, type IdempotentOperation, type RunResult, type StandaloneRunner } from './jobs/runner.js'
+export type { RunnerOptions, RunOptions } from './jobs/options.js'
 export { memoryStore, MemoryStoreFullError, type MemoryStore, type MemoryStoreOptions, type MemoryStoreUsage } from '../drivers/memory.js'
 export {
-  EmptyScopeError, InvalidOptionError, LeaseLostError, RolledBackError, StoreNotReadyError, StoreTimeoutError, TransactionEndedError, UnprotectedRoutesError
+  EmptyScopeError, InvalidOptionError, KeyReusedError, LeaseLostError, OperationInProgressError, RolledBackError, StoreNotReadyError, StoreTimeoutError,
+  StoreUnavailableError, TransactionEndedError, UnprotectedRoutesError
 } from './core/errors.js'
-export type { EarlierRoutesPolicy } from './fastify/earlier-routes.js'
 export { DEFAULT_REPLAY_HEADERS } from './http/headers.js'
 export type { IdempotencyContext } from './core/context.js'
 export type { InspectedRecord, RecoveryTools } from './core/admin.js'
@@ -34,10 +38,11 @@ export type {
   ReconcileOptions, Reconciler, ReconcilerOptions, ReconcileReport, Resolution, ResolvedResponse, StuckRecord
 } from './core/reconcile.js'
 export type { EncryptionKey, EncryptionOptions } from './core/keyring.js'
-export type { FingerprintFunction, FingerprintOption } from './core/fingerprint.js'
 export type { KeyFormat, KeyFunction } from './http/key.js'
-export type { IdempotencyOptions, RecordRule, RouteIdempotencyOptions, ScopeFunction, StatusRouteOptions } from './http/options.js'
-export { DECISION_CHANNEL, type DecisionEvent, type MeterLike, type Outcome } from './core/observe.js'
+export type { EarlierRoutesPolicy, FingerprintFunction, FingerprintOption, IdempotencyOptions, RecordRule, RouteIdempotencyOptions, ScopeFunction, StatusRouteOptions } from './http/options.js'
+export { DECISION_CHANNEL, type MeterLike, type Outcome } from './core/observe.js'
+/** A decision on the diagnostics channel: `request` is the Fastify request, or undefined for a job's run. */
+export type DecisionEvent = CoreDecisionEvent<FastifyRequest | undefined>
 export type { IdempotencyPrefilter, PrefilterHit } from './core/prefilter.js'
 export type { ProblemKind } from './http/problems.js'
 export type { RebuildFunction, RebuiltResponse } from './http/reference.js'

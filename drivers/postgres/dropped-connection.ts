@@ -1,5 +1,4 @@
-import type { TransactionSql } from 'postgres'
-import type { PostgresClient } from './options.js'
+import type { Sql, TransactionSql } from 'postgres'
 
 /**
  * A transaction whose connection dropped must not send anything more: postgres.js 3.4.9 writes a
@@ -78,7 +77,7 @@ export function isConnectionError (err: unknown): boolean {
  * for lost would leave a live transaction open forever. The returned promise is `sql.begin`'s.
  */
 export function beginOnLiveConnection<T> (
-  sql: PostgresClient,
+  sql: Sql<any>,
   body: (tx: TransactionSql<any>, connection: ConnectionState) => Promise<T>
 ): Promise<T> {
   const connection = connectionState()

@@ -2,7 +2,6 @@ import {
   endedBy, ENDING_TAGS, IN_FAILED_TRANSACTION, refusals, ROLLBACK_TAG, STARTING_TAGS, TRANSACTION_PROBE, type Ended, type Guard
 } from './client.js'
 import type { ConnectionState } from './dropped-connection.js'
-import type { NodePostgresPoolClient } from './node-postgres.js'
 
 /**
  * The PoolClient given to the application in atomic mode (`request.idempotency.sql`) and to a
@@ -36,7 +35,8 @@ import type { NodePostgresPoolClient } from './node-postgres.js'
  * Every other property is the client's own.
  */
 export function guardPoolClient (
-  client: NodePostgresPoolClient,
+  /** A node-postgres PoolClient (node-postgres.ts, NodePostgresPoolClient): only its query method and its wire are used here. */
+  client: { query: unknown },
   connection: ConnectionState,
   isConnectionError: (err: unknown) => boolean,
   probeConfig: (text: string) => object

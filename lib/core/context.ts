@@ -1,8 +1,6 @@
-import type { Hash } from 'node:crypto'
-import type { FastifyBaseLogger, FastifyRequest } from 'fastify'
 import { Lifecycle } from './lifecycle.js'
-import type { RouteSettings } from '../http/options.js'
-import type { RequestContext } from './recovery.js'
+import type { Logger, Observed } from './observe.js'
+import type { CoreSettings } from './settings.js'
 import type { Fingerprint, OutboxEntry, RecordId } from './store.js'
 
 /** What a protected request exposes as `request.idempotency`. */
@@ -65,12 +63,20 @@ export interface IdempotencyContext {
   enqueue (message: OutboxEntry, transaction?: unknown): Promise<void>
 }
 
-export const kState = Symbol('fastify-idempotency.state')
+/** The operation's view as the core and the adapters use it: what they set on it besides what it exposes. */
+export interface OperationContext extends IdempotencyContext {
+  replayed: boolean
+  /** Atomic mode: the open transaction (typed by the Postgres entry point's augmentation). */
+  sql?: any
+}
 
-/** Per-request state, reachable only through {@link kState}. */
-export class RequestState {
+/**
+ * What the core knows of one attempt to run an operation under a key: an HTTP request (the Fastify
+ * adapter's subclass, lib/fastify/request-state.ts) or a job's run (lib/jobs/runner.ts). Every
+ * step of the protocol (claim, lifecycle, outcome, steps) works on this and nothing else.
+ */
+export abstract class RequestState implements Observed {
   scope = ''
-  rawHash: Hash | null = null
   /**
    * The request's unkeyed fingerprint (lib/core/fingerprint-keys.ts): with `encryption` it is never
    * stored, and is kept here to recompute the request's fingerprint under an older key.
@@ -84,30 +90,28 @@ export class RequestState {
   recordId: RecordId | null = null
   /** The pre-filter holds this request's in-flight marker (set by its first lookup). */
   markedInFlight = false
-  context: RequestContext | null = null
+  /** The operation's view (`request.idempotency`, a job's `op`), once the claim has its fingerprint (lib/core/recovery.ts). */
+  context: OperationContext | null = null
   /** Recorded step results, loaded from the store at the first step() call. */
   steps: Record<string, unknown> | null = null
   /** A message was enqueued in the transaction now open: deliver after it commits. */
   enqueued = false
   /** The last step() call, so the next one runs after it settles (steps run in order). */
   stepChain: Promise<unknown> | null = null
-
-  readonly log: FastifyBaseLogger
   /** performance.now() when the request reached the plugin: decision latencies are measured from it. */
   readonly startedAt = performance.now()
 
   constructor (
-    /** Set once: when the route's `key` option gives it, in the claim (lib/fastify/hooks.ts). */
+    /** Set once: when a route's `key` option gives it, in the claim (lib/fastify/hooks.ts). */
     public key: string,
-    readonly settings: RouteSettings,
-    readonly request: FastifyRequest
-  ) {
-    this.log = request.log
-  }
-}
+    readonly settings: CoreSettings
+  ) {}
 
-export type StatefulRequest = FastifyRequest & { [kState]: RequestState | null }
-
-export function stateOf (request: FastifyRequest): RequestState | null {
-  return (request as StatefulRequest)[kState]
+  abstract readonly log: Logger
+  /** The HTTP method, or `RUN` for a job. */
+  abstract readonly method: string
+  /** A bounded name for metrics: the route's path pattern, or the job's operation. */
+  abstract readonly route: string
+  /** The Fastify request, for diagnostics subscribers; undefined for a job. */
+  abstract readonly request: unknown
 }

@@ -1,30 +1,35 @@
-import type { FastifyReply } from 'fastify'
-import type { RequestState } from './context.js'
-import { sendProblem, type ProblemAnswer, type ProblemBodies, type ProblemOptions } from '../http/problems.js'
-import type { FingerprintKeys } from './fingerprint-keys.js'
+import { sealAtRest } from './encryption.js'
+import { deriveFingerprintKeys, type FingerprintKeys } from './fingerprint-keys.js'
+import type { Keyring } from './keyring.js'
 import type { Metrics } from './observe.js'
 import type { IdempotencyPrefilter } from './prefilter.js'
 import type { IdempotencyStore } from './store.js'
-import type { Waiters } from './waiters.js'
+import { Waiters } from './waiters.js'
 
-/** What every hook of one plugin registration shares. */
+/** What every attempt of one registration (or one job runner) shares. */
 export interface Engine {
   /** The store given (sealed when `encryption` is set): its methods are the only way to it (lib/core/store.ts). */
   readonly store: IdempotencyStore
   readonly prefilter: IdempotencyPrefilter | null
   readonly waiters: Waiters
-  readonly problems: ProblemBodies
-  readonly problemOptions: ProblemOptions
   /** The `metrics` option's instruments, or null (lib/core/observe.ts). */
   readonly metrics: Metrics | null
   /** MAC keys of keyed fingerprints, derived from the `encryption` option (lib/core/fingerprint-keys.ts), or null. */
   readonly fingerprintKeys: FingerprintKeys | null
-  /** Set when the Fastify instance closes: settlements still retrying in the background stop. */
+  /** Set when the Fastify instance (or the runner) closes: settlements still retrying in the background stop. */
   closed: boolean
 }
 
-/** Sends a problem answer; the request is then never recorded (it is not the key's outcome). */
-export function answer (engine: Engine, state: RequestState | null, reply: FastifyReply, problem: ProblemAnswer): FastifyReply {
-  state?.lifecycle.answered()
-  return sendProblem(reply, engine.problems, engine.problemOptions, problem)
+/** The engine of a store (and pre-filter): with a keyring, every record is sealed and every fingerprint keyed. */
+export function createEngine (store: IdempotencyStore, prefilter: IdempotencyPrefilter | null, keyring: Keyring | null, metrics: Metrics | null): Engine {
+  // With `encryption`, every driver and the pre-filter hold sealed responses (lib/core/encryption.ts).
+  const atRest = sealAtRest(keyring, store, prefilter)
+  return {
+    store: atRest.store,
+    prefilter: atRest.prefilter,
+    waiters: new Waiters(),
+    metrics,
+    fingerprintKeys: keyring === null ? null : deriveFingerprintKeys(keyring),
+    closed: false
+  }
 }

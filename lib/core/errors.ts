@@ -138,3 +138,47 @@ export class StoreNotReadyError extends Error {
     this.name = 'StoreNotReadyError'
   }
 }
+
+/**
+ * A job's run refused because another run holds its key (draft §2.7's 409, for a job): the
+ * original is still running, or crashed and its lease has not lapsed yet, or it failed in a way
+ * that may have left an effect and waits for the reconciler. Nothing ran. Retry after `retryAfter`
+ * ms (a queue's backoff does it): the retry gets the original's value once it completed.
+ */
+export class OperationInProgressError extends Error {
+  readonly code = 'FST_IDEMPOTENCY_IN_PROGRESS'
+
+  constructor (readonly retryAfter: number) {
+    super(`fastify-idempotency: another run holds this key; retry in ${retryAfter} ms`)
+    this.name = 'OperationInProgressError'
+  }
+}
+
+/**
+ * A job's run refused because its key was used for another operation or payload (draft §2.7's
+ * 422, for a job): nothing ran. Retrying cannot succeed; a key reused with another payload is a
+ * bug (or a forged delivery) worth an alert.
+ */
+export class KeyReusedError extends Error {
+  readonly code = 'FST_IDEMPOTENCY_MISMATCH'
+
+  constructor () {
+    super('fastify-idempotency: this key was used with another operation or payload')
+    this.name = 'KeyReusedError'
+  }
+}
+
+/**
+ * A job's run refused because the store failed or did not answer within `storeTimeout` (or holds a
+ * record this process cannot verify): the operation did not run, unless `outcomeUnknown` says that
+ * atomic mode's COMMIT was sent and no answer came back (a retry then replays the committed value
+ * or runs afresh, whichever is true). Retry later. `cause` is the store's error.
+ */
+export class StoreUnavailableError extends Error {
+  readonly code = 'FST_IDEMPOTENCY_STORE_UNAVAILABLE'
+
+  constructor (message: string, readonly outcomeUnknown: boolean, cause?: unknown) {
+    super(`fastify-idempotency: ${message}`, cause === undefined ? undefined : { cause })
+    this.name = 'StoreUnavailableError'
+  }
+}

@@ -1,17 +1,7 @@
 import { createHash, hash, type Hash } from 'node:crypto'
 import { Transform, type TransformCallback } from 'node:stream'
-import type { FastifyRequest } from 'fastify'
 import { UNLIMITED, writeCanonical, type CanonicalLimits } from './fingerprint-canonical.js'
 import type { Fingerprint } from './store.js'
-
-/**
- * A user-supplied fingerprint: whatever it returns is hashed (SHA-256) and stored with algorithm
- * `custom-v1`. It decides alone what makes two requests "the same" (draft §2.4 lists checksums of
- * selected elements among the options), so it usually covers the method and target too.
- */
-export type FingerprintFunction = (request: FastifyRequest) => string | Buffer | Promise<string | Buffer>
-
-export type FingerprintOption = 'canonical' | 'raw' | FingerprintFunction
 
 /*
  * Algorithms are versioned: a record keeps the name of the algorithm that produced its fingerprint,

@@ -1,8 +1,8 @@
-import type { RequestState } from './context.js'
 import type { Engine } from './engine.js'
 import { StoreTimeoutError } from './errors.js'
-import { observe } from './observe.js'
+import { observe, type Observed } from './observe.js'
 import { schedules, type Scheduled } from './schedule.js'
+import type { CoreSettings } from './settings.js'
 import type { ClaimAcquired, Lease } from './store.js'
 import { bounded } from './timeout.js'
 import { localId } from './waiters.js'
@@ -72,6 +72,11 @@ import { localId } from './waiters.js'
  * | release                       | tried again briefly; then the lease lapses on its own (nothing ran that a retry could repeat) |
  * | renew                         | tried again at the next interval; the key is lost only if no renewal lands for a whole lease |
  */
+
+/** What a lifecycle needs of its request (lib/core/context.ts, RequestState): what it reports, and its timing. */
+export interface LifecycleSubject extends Observed {
+  readonly settings: CoreSettings
+}
 
 /** Where a protected request stands. */
 export type Phase = 'parsed' | 'owner' | 'settling' | 'settled' | 'replayed' | 'answered' | 'unprotected' | 'preempted'
@@ -153,7 +158,7 @@ export class Lifecycle implements Scheduled {
   /** A step of this operation completed (in this attempt or an earlier one). */
   #stepsCompleted = false
 
-  constructor (private readonly state: RequestState) {}
+  constructor (private readonly state: LifecycleSubject) {}
 
   get phase (): Phase { return this.#phase }
   /** The owner's lease (set from `landed` on). */

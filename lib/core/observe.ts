@@ -1,5 +1,4 @@
 import diagnostics from 'node:diagnostics_channel'
-import type { FastifyBaseLogger, FastifyRequest } from 'fastify'
 import { InvalidOptionError } from './errors.js'
 
 /**
@@ -50,18 +49,22 @@ export type Outcome =
 
 export type Level = 'debug' | 'info' | 'warn' | 'error'
 
-/** What the diagnostics channel `fastify-idempotency:decision` publishes. */
-export interface DecisionEvent {
+/**
+ * What the diagnostics channel `fastify-idempotency:decision` publishes. `Request` is the Fastify
+ * request for a route's decision and undefined for a job's (the main entry point exports it so).
+ */
+export interface DecisionEvent<Request = unknown> {
   readonly outcome: Outcome
   readonly scope: string
   /** The full key: subscribers run in-process (log lines only carry a truncated key). */
   readonly key: string
+  /** The HTTP method, or `RUN` for a job. */
   readonly method: string
-  /** The route's path pattern (`/payments/:id`), not the URL: a bounded set of values. */
+  /** The route's path pattern (`/payments/:id`), not the URL, or the job's operation: a bounded set of values. */
   readonly route: string
-  /** Milliseconds since the request reached the plugin's first hook. */
+  /** Milliseconds since the request reached the plugin's first hook, or since the job's run started. */
   readonly durationMs: number
-  readonly request: FastifyRequest
+  readonly request: Request
 }
 
 /** The name of the diagnostics channel (`node:diagnostics_channel`) every decision is published on. */
@@ -99,12 +102,26 @@ export function createMetrics (meter: unknown): Metrics | null {
   }
 }
 
+/**
+ * A logger as the core uses it: pino's (Fastify's `request.log`) fits, and so does any object with
+ * these methods. `isLevelEnabled`, when present, spares building a log object nobody reads.
+ */
+export interface Logger {
+  debug (obj: object, msg?: string): void
+  info (obj: object, msg?: string): void
+  warn (obj: object, msg?: string): void
+  error (obj: object, msg?: string): void
+  isLevelEnabled? (level: string): boolean
+}
+
 /** What a decision needs to know about its request; RequestState provides it. */
 export interface Observed {
   readonly key: string
   readonly scope: string
-  readonly log: FastifyBaseLogger
-  readonly request: FastifyRequest
+  readonly log: Logger
+  readonly method: string
+  readonly route: string
+  readonly request: unknown
   readonly startedAt: number
 }
 
@@ -122,15 +139,15 @@ export function observe (metrics: Metrics | null, subject: Observed, outcome: Ou
   }
   if (metrics === null && !channel.hasSubscribers) return
   const durationMs = performance.now() - subject.startedAt
-  const request = subject.request
-  const route = request.routeOptions.url ?? ''
+  const method = subject.method
+  const route = subject.route
   if (metrics !== null) {
-    const attributes = { outcome, method: request.method, route }
+    const attributes = { outcome, method, route }
     metrics.decisions.add(1, attributes)
     metrics.duration.record(durationMs, attributes)
   }
   if (channel.hasSubscribers) {
-    const event: DecisionEvent = { outcome, scope: subject.scope, key: subject.key, method: request.method, route, durationMs, request }
+    const event: DecisionEvent = { outcome, scope: subject.scope, key: subject.key, method, route, durationMs, request: subject.request }
     channel.publish(event)
   }
 }
@@ -140,10 +157,11 @@ export function observe (metrics: Metrics | null, subject: Observed, outcome: Ou
  * (`logger: false`, abstract-logging), whose every method is one no-op: building a log object for
  * it on every request is pure waste.
  */
-function enabled (log: FastifyBaseLogger, level: Level): boolean {
-  const check = (log as { isLevelEnabled?: (level: string) => boolean }).isLevelEnabled
+function enabled (log: Logger, level: Level): boolean {
+  const check = log.isLevelEnabled
   if (check !== undefined) return check.call(log, level) !== false
-  return !(log.fatal === log.error && log.error === log.info && log.info === log.trace)
+  const methods = log as Logger & { fatal?: unknown, trace?: unknown }
+  return !(methods.fatal === log.error && log.error === log.info && log.info === methods.trace)
 }
 
 function truncate (key: string): string {

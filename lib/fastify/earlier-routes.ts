@@ -1,8 +1,7 @@
 import type { FastifyInstance } from 'fastify'
 import { UnprotectedRoutesError } from '../core/errors.js'
+import type { EarlierRoutesPolicy } from '../http/options.js'
 import { bootWarning, WARNING_CODES } from './warnings.js'
-
-export type EarlierRoutesPolicy = 'fail' | 'warn'
 
 interface PrintedRoute {
   readonly route: string

@@ -1,9 +1,10 @@
 import type {
   FastifyError, FastifyInstance, FastifyReply, FastifyRequest, HookHandlerDoneFunction, RequestPayload, RouteHandlerMethod
 } from 'fastify'
-import { claimKey } from './claim.js'
-import { kState, RequestState, stateOf, type StatefulRequest } from '../core/context.js'
-import { answer, type Engine } from '../core/engine.js'
+import { claimRequest } from './claim.js'
+import { FastifyRequestState, kState, stateOf, type StatefulRequest } from './request-state.js'
+import { answer, type HttpEngine } from '../http/engine.js'
+import { observedRequest } from '../http/observed-request.js'
 import { hashingStream, startRawHash } from '../core/fingerprint.js'
 import { keyFromFunction, parseKey, type KeyFunction, type ParsedKey } from '../http/key.js'
 import { isThenable } from '../core/thenable.js'
@@ -25,19 +26,19 @@ export interface RouteHooks {
  * The hooks of one protected route, built once when the route is added. `methods` limits them to
  * some of the route's methods (a route declared for several), or null for all of them.
  */
-export function routeHooks (engine: Engine, settings: RouteSettings, methods: ReadonlySet<string> | null): RouteHooks {
+export function routeHooks (engine: HttpEngine, settings: RouteSettings, methods: ReadonlySet<string> | null): RouteHooks {
   // onRequest: the key needs no body, so a missing or malformed one is refused before any parsing.
   function idempotencyParseKey (request: FastifyRequest, reply: FastifyReply, done: HookHandlerDoneFunction): void {
     if (methods !== null && !methods.has(request.method)) return done()
     // A key from the `key` option is read in the claim, once the route's verification has run:
     // the state is there for the body's hash, with no key yet.
     if (settings.key !== null) {
-      (request as StatefulRequest)[kState] = new RequestState('', settings, request)
+      (request as StatefulRequest)[kState] = new FastifyRequestState('', settings, request)
       return done()
     }
     const parsed = parseKey(request.headers['idempotency-key'], request.raw.rawHeaders, settings.keyFormat, settings.maxKeyLength)
     if (parsed.ok) {
-      (request as StatefulRequest)[kState] = new RequestState(parsed.key, settings, request)
+      (request as StatefulRequest)[kState] = new FastifyRequestState(parsed.key, settings, request)
       return done()
     }
     if (parsed.reason === 'missing' && !settings.required) return done()
@@ -46,16 +47,18 @@ export function routeHooks (engine: Engine, settings: RouteSettings, methods: Re
   }
 
   function refuseKey (request: FastifyRequest, reply: FastifyReply, parsed: Exclude<ParsedKey, { ok: true }>): FastifyReply {
-    const refused = { key: '', scope: '', log: request.log, request, startedAt: performance.now() }
-    observe(engine.metrics, refused, parsed.reason === 'missing' ? 'key_missing' : 'key_invalid', 'info', 'idempotency: request refused')
-    return answer(engine, null, reply, { kind: parsed.reason === 'missing' ? 'key-missing' : 'key-invalid', detail: parsed.detail })
+    observe(engine.metrics, observedRequest(request, '', '', performance.now()), parsed.reason === 'missing' ? 'key_missing' : 'key_invalid', 'info', 'idempotency: request refused')
+    if (parsed.reason === 'invalid') return answer(engine, null, reply, { kind: 'key-invalid', detail: parsed.detail })
+    // A missing header gets the profile's own key-missing answer (the body the OpenAPI example shows);
+    // a route with a `key` option says where it looked instead, since it reads no header.
+    return answer(engine, null, reply, settings.key === null ? { kind: 'key-missing' } : { kind: 'key-missing', detail: parsed.detail })
   }
 
   /**
    * The `key` option's key, once the request is verified and its body parsed: true when the claim
    * goes on; false when the request runs unprotected or was answered (and `done` was dealt with).
    */
-  function keyFromRoute (keyOf: KeyFunction, request: FastifyRequest, reply: FastifyReply, state: RequestState, done: HookHandlerDoneFunction): boolean {
+  function keyFromRoute (keyOf: KeyFunction, request: FastifyRequest, reply: FastifyReply, state: FastifyRequestState, done: HookHandlerDoneFunction): boolean {
     let parsed: ParsedKey
     try {
       parsed = keyFromFunction(keyOf, request, settings.maxKeyLength)
@@ -94,7 +97,7 @@ export function routeHooks (engine: Engine, settings: RouteSettings, methods: Re
       return undefined
     }
     if (settings.key !== null && !keyFromRoute(settings.key, request, reply, state, done)) return undefined
-    const claimed = claimKey(engine, request, reply, state)
+    const claimed = claimRequest(engine, request, reply, state)
     if (claimed === undefined) done()
     // The reply is a thenable too: answered synchronously, it is returned as itself.
     else if (claimed !== reply && isThenable(claimed)) return claimed
@@ -175,7 +178,7 @@ export function trackHandler (handler: RouteHandlerMethod): RouteHandlerMethod {
  * hook runner and becomes a 500, as it would without the plugin, instead of an unhandled rejection;
  * recorded synchronously, it calls done() within the runner's own try.
  */
-export function createRecordHook (engine: Engine) {
+export function createRecordHook (engine: HttpEngine) {
   return function idempotencyRecord (request: FastifyRequest, reply: FastifyReply, payload: unknown, done: (err: Error | null, payload?: unknown) => void): Promise<unknown> | undefined {
     const state = stateOf(request)
     if (state === null) {

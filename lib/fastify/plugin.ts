@@ -1,24 +1,19 @@
 import type { FastifyInstance, FastifyPluginCallback, RouteOptions } from 'fastify'
-import { kState } from '../core/context.js'
+import { kState } from './request-state.js'
 import { checkEarlierRoutes } from './earlier-routes.js'
-import { sealAtRest } from '../core/encryption.js'
-import type { Engine } from '../core/engine.js'
-import { InvalidOptionError } from '../core/errors.js'
-import { deriveFingerprintKeys } from '../core/fingerprint-keys.js'
+import { checkPrefilter, checkStore, checkTransactions } from '../core/check-store.js'
+import { createEngine } from '../core/engine.js'
+import type { HttpEngine } from '../http/engine.js'
 import { createRecordHook, routeHooks, trackHandler } from './hooks.js'
 import { documentRoute } from '../http/openapi.js'
 import { resolveGlobalOptions, resolveRouteConfig, type GlobalSettings, type IdempotencyOptions, type RouteSettings } from '../http/options.js'
 import { buildProblemBodies } from '../http/problems.js'
-import type { IdempotencyPrefilter } from '../core/prefilter.js'
 import { registerStatusRoute } from '../http/status-route.js'
 import { checkStoreWhenReady } from './store-check.js'
-import type { IdempotencyStore } from '../core/store.js'
-import { Waiters } from '../core/waiters.js'
 import { isMemoryStore, memoryStore } from '../../drivers/memory.js'
 import { warnAboutDeployment } from './warnings.js'
-
-const STORE_METHODS = ['claim', 'complete', 'release', 'renew', 'get', 'purgeExpired', 'close'] as const
-const PREFILTER_METHODS = ['lookup', 'markInFlight', 'clearInFlight', 'remember', 'close'] as const
+import { createRunner } from '../jobs/runner.js'
+import type { CoreSettings } from '../core/settings.js'
 
 export const idempotencyPlugin: FastifyPluginCallback<IdempotencyOptions> = function fastifyIdempotency (fastify, options, done) {
   let global: GlobalSettings
@@ -36,22 +31,16 @@ export const idempotencyPlugin: FastifyPluginCallback<IdempotencyOptions> = func
   const store = options.store ?? memoryStore()
 
   const problemOptions = { typeBase: global.problemTypeBase, docsUrl: global.docsUrl, profile: global.profile }
-  // With `encryption`, every driver and the pre-filter hold sealed responses (lib/core/encryption.ts).
-  const atRest = sealAtRest(global.encryption, store, options.prefilter ?? null)
-  const engine: Engine = {
-    store: atRest.store,
-    prefilter: atRest.prefilter,
-    waiters: new Waiters(),
+  const engine: HttpEngine = {
+    ...createEngine(store, options.prefilter ?? null, global.encryption, global.metrics),
     problems: buildProblemBodies(problemOptions),
-    problemOptions,
-    metrics: global.metrics,
-    fingerprintKeys: global.encryption === null ? null : deriveFingerprintKeys(global.encryption),
-    closed: false
+    problemOptions
   }
 
   warnAboutDeployment(fastify, global.route.scope === null, ownsStore || isMemoryStore(store))
   checkEarlierRoutes(fastify, global.methods, global.onEarlierRoutes)
   checkStoreWhenReady(fastify, store, global.route.storeTimeout)
+  fastify.decorate('idempotency', createRunner(engine, jobSettings(global.route), global.route.retryAfter * 1000, fastify.log))
   fastify.decorateRequest('idempotency', null)
   fastify.decorateRequest(kState, null)
   fastify.addHook('onRoute', function (route) { protectRoute(engine, global, route, this) })
@@ -74,7 +63,7 @@ export const idempotencyPlugin: FastifyPluginCallback<IdempotencyOptions> = func
 }
 
 /** Decides, once per route, whether and how it is protected, and attaches the hooks only to it. */
-function protectRoute (engine: Engine, global: GlobalSettings, route: RouteOptions, instance: FastifyInstance): void {
+function protectRoute (engine: HttpEngine, global: GlobalSettings, route: RouteOptions, instance: FastifyInstance): void {
   const declared = (Array.isArray(route.method) ? route.method : [route.method]).map((m) => m.toUpperCase())
   const config: unknown = (route.config as { idempotency?: unknown } | undefined)?.idempotency
   let settings: RouteSettings | null
@@ -112,30 +101,8 @@ function appendHook (route: RouteOptions, name: HookName, hook: unknown): void {
   ;(route as unknown as Record<HookName, unknown>)[name] = list
 }
 
-function checkStore (store: IdempotencyStore): void {
-  const missing = typeof store === 'object' && store !== null
-    ? STORE_METHODS.filter((method) => typeof (store as unknown as Record<string, unknown>)[method] !== 'function')
-    : [...STORE_METHODS]
-  if (missing.length > 0) {
-    throw new InvalidOptionError('option "store"', `an IdempotencyStore (missing ${missing.join(', ')})`, store)
-  }
-  const check: unknown = store.check
-  if (check !== undefined && typeof check !== 'function') {
-    throw new InvalidOptionError('option "store".check', 'a function when present (IdempotencyStore.check, called at boot)', check)
-  }
-}
-
-function checkTransactions (store: IdempotencyStore | undefined, option: string): void {
-  if (typeof store?.claimInTransaction !== 'function') {
-    throw new InvalidOptionError(option, 'false unless the store supports transactions (claimInTransaction), as the Postgres driver does', true)
-  }
-}
-
-function checkPrefilter (prefilter: IdempotencyPrefilter): void {
-  const missing = typeof prefilter === 'object' && prefilter !== null
-    ? PREFILTER_METHODS.filter((method) => typeof (prefilter as unknown as Record<string, unknown>)[method] !== 'function')
-    : [...PREFILTER_METHODS]
-  if (missing.length > 0) {
-    throw new InvalidOptionError('option "prefilter"', `an IdempotencyPrefilter (missing ${missing.join(', ')})`, prefilter)
-  }
+/** `fastify.idempotency.run()`'s defaults: the registration's, except that a job is never run unprotected. */
+function jobSettings (route: RouteSettings): CoreSettings {
+  const { ttl, lease, maxOwnership, wait, storeTimeout, retryAfter, transaction } = route
+  return Object.freeze({ ttl, lease, maxOwnership, wait, storeTimeout, retryAfter, transaction, onStoreError: 'fail' })
 }

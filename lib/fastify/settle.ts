@@ -1,20 +1,15 @@
 import { validateHeaderName, validateHeaderValue } from 'node:http'
 import type { FastifyReply } from 'fastify'
-import { captureStream, classifyPayload, type CapturedPayload } from './capture.js'
-import type { RequestState } from '../core/context.js'
-import type { Engine } from '../core/engine.js'
-import { RolledBackError, TransactionEndedError } from '../core/errors.js'
 import { observe } from '../core/observe.js'
-import { pickReplayHeaders } from '../http/headers.js'
-import type { Ending } from '../core/lifecycle.js'
 import { conclude, record } from '../core/outcome.js'
-import { clearInFlight, rememberCompleted } from '../core/prefiltering.js'
-import { applyProblem, type ProblemKind } from '../http/problems.js'
-import { deliverEnqueued } from '../core/recovery.js'
+import { commitRecord, decide, type CommitFailure } from '../core/settle.js'
+import type { StoredResponse } from '../core/store.js'
+import type { HttpEngine } from '../http/engine.js'
+import { pickReplayHeaders } from '../http/headers.js'
+import { applyProblem } from '../http/problems.js'
 import { referenceRecord } from '../http/reference.js'
-import type { Lease, StoredResponse } from '../core/store.js'
-import { isThenable } from '../core/thenable.js'
-import { bounded } from '../core/timeout.js'
+import { captureStream, classifyPayload, type CapturedPayload } from './capture.js'
+import type { FastifyRequestState } from './request-state.js'
 
 /**
  * onSend of the request that owns the key (the lifecycle moved it to `settling`): records the
@@ -24,7 +19,7 @@ import { bounded } from '../core/timeout.js'
  * in here (a bug, a payload that cannot be captured), the key is recorded, held or released, never
  * stranded in progress, and never released once the handler returned an answer.
  */
-export function settleOwner (engine: Engine, reply: FastifyReply, state: RequestState, payload: unknown): unknown {
+export function settleOwner (engine: HttpEngine, reply: FastifyReply, state: FastifyRequestState, payload: unknown): unknown {
   let settled: unknown
   try {
     settled = settle(engine, reply, state, payload)
@@ -41,7 +36,7 @@ export function settleOwner (engine: Engine, reply: FastifyReply, state: Request
   return settled
 }
 
-async function settleFailed (engine: Engine, state: RequestState, payload: unknown, err: unknown): Promise<unknown> {
+async function settleFailed (engine: HttpEngine, state: FastifyRequestState, payload: unknown, err: unknown): Promise<unknown> {
   try {
     observe(engine.metrics, state, 'settle_failed', 'error', 'idempotency: unexpected error while settling the response; it is not recorded', err)
     // Unless the answer was already a failure, the handler returned: its effect may have happened.
@@ -58,7 +53,7 @@ async function settleFailed (engine: Engine, state: RequestState, payload: unkno
  * handlerTimeout) may still call reply.code() on its way out, and the status of the answer being
  * settled must not become its.
  */
-function settle (engine: Engine, reply: FastifyReply, state: RequestState, payload: unknown): unknown {
+function settle (engine: HttpEngine, reply: FastifyReply, state: FastifyRequestState, payload: unknown): unknown {
   if (state.lifecycle.threw) {
     const failedWith = reply.statusCode
     return decide(engine, state, 'threw', 'the handler failed').then(() => keepStatus(reply, failedWith, payload))
@@ -112,7 +107,7 @@ function keepStatus<T> (reply: FastifyReply, statusCode: number, value: T): T {
  * handler returned this answer and the client gets it, so it is recorded (releasing the key would
  * let a retry run the operation a second time).
  */
-function recordsStatus (engine: Engine, state: RequestState, statusCode: number): boolean {
+function recordsStatus (engine: HttpEngine, state: FastifyRequestState, statusCode: number): boolean {
   try {
     return state.settings.record(statusCode)
   } catch (err) {
@@ -121,23 +116,8 @@ function recordsStatus (engine: Engine, state: RequestState, statusCode: number)
   }
 }
 
-/**
- * A failure's fate (release or hold), carried out. When the answer interrupted a handler that
- * still runs, the key stays held and renewed until the handler returns, and the failure answer
- * goes out without waiting.
- */
-function decide (engine: Engine, state: RequestState, ending: Exclude<Ending, 'answered'>, reason: string): Promise<void> {
-  const fate = state.lifecycle.fate(ending)
-  if (!isThenable(fate)) return conclude(engine, state, fate === 'hold' ? 'hold' : 'release', reason)
-  observe(engine.metrics, state, 'not_recorded', 'warn', `idempotency: the answer (${reason}) interrupted a handler that still runs; the key stays held until it returns`)
-  fate.then((decided) => conclude(engine, state, decided === 'hold' ? 'hold' : 'release',
-    decided === 'hold' ? `${reason}, and the handler completed after it` : reason))
-    .catch(/* c8 ignore next: conclude reports the store's failures itself */ () => {})
-  return Promise.resolve()
-}
-
 /** Records `response`, then hands `sent` back: at once when the store answered directly, else once recorded. */
-function recordThen (engine: Engine, reply: FastifyReply, state: RequestState, response: StoredResponse, sent: unknown): unknown {
+function recordThen (engine: HttpEngine, reply: FastifyReply, state: FastifyRequestState, response: StoredResponse, sent: unknown): unknown {
   const recorded = record(engine, state, response)
   return recorded === undefined ? sent : recorded.then(() => keepStatus(reply, response.statusCode, sent))
 }
@@ -162,7 +142,7 @@ function unsendableHeader (headers: Readonly<Record<string, string | number | st
  * onSend (reply.hijack(), a raw write), so there is nothing to record. Released, so the key is
  * not stuck; such routes get concurrency protection only.
  */
-export async function releaseUnsent (engine: Engine, state: RequestState): Promise<void> {
+export async function releaseUnsent (engine: HttpEngine, state: FastifyRequestState): Promise<void> {
   if (!state.lifecycle.unsent()) return
   observe(engine.metrics, state, 'not_recorded', 'warn', 'idempotency: the response bypassed onSend (reply.hijack() or a raw write), so it cannot be recorded')
   await decide(engine, state, 'unsent', 'the response was not sent through Fastify')
@@ -173,7 +153,7 @@ export async function releaseUnsent (engine: Engine, state: RequestState): Promi
  * the claim and the handler's writes together (its later queries fail), so a retry runs the
  * operation afresh. Lease mode: nothing to do (see lib/core/lifecycle.ts).
  */
-export function rollBackForDepartedClient (engine: Engine, state: RequestState): void {
+export function rollBackForDepartedClient (engine: HttpEngine, state: FastifyRequestState): void {
   if (state.lifecycle.clientLeft()) {
     conclude(engine, state, 'release', 'the client went away before the transaction committed').catch(/* c8 ignore next: conclude reports the store's failures itself */ () => {})
   }
@@ -189,14 +169,13 @@ export function rollBackForDepartedClient (engine: Engine, state: RequestState):
  * handler ended the transaction itself, the store held the key, and the client gets a 500 that says so.
  */
 async function commitThenSend (
-  engine: Engine,
+  engine: HttpEngine,
   reply: FastifyReply,
-  state: RequestState,
+  state: FastifyRequestState,
   captured: Exclude<CapturedPayload, { kind: 'unsupported' }>,
   headers: Record<string, string | string[]>,
   reference: StoredResponse | null
 ): Promise<unknown> {
-  const lease = state.lifecycle.lease as Lease
   let body: Buffer
   if (captured.kind === 'bytes') {
     body = captured.body
@@ -212,28 +191,8 @@ async function commitThenSend (
   }
   const statusCode = reply.statusCode
   const response: StoredResponse = reference ?? { statusCode, headers, body: body.length > state.settings.maxResponseBytes ? null : body }
-  try {
-    const since = Date.now()
-    const committed = await bounded('complete', state.settings.storeTimeout, () => engine.store.complete(lease, response, state.settings.ttl))
-    if (!committed) throw new RolledBackError('the transaction had already ended (rolled back) before the commit')
-    observe(engine.metrics, state, 'recorded', 'debug', 'idempotency: response recorded and transaction committed')
-    deliverEnqueued(engine, state)
-    if (state.context !== null) rememberCompleted(engine, state, state.context.fingerprint, response, state.settings.ttl, since)
-  } catch (err) {
-    clearInFlight(engine, state)
-    state.lifecycle.settled()
-    if (err instanceof RolledBackError) {
-      observe(engine.metrics, state, 'store_error', 'error', 'idempotency: the transaction was rolled back instead of committed; answering 500', err)
-      return notCommitted(engine, reply, state, 'not-committed')
-    }
-    if (err instanceof TransactionEndedError) {
-      observe(engine.metrics, state, 'held', 'error', 'idempotency: the handler ended the request\'s transaction itself; the key is held for the reconciler, answering 500', err)
-      return notCommitted(engine, reply, state, 'transaction-ended')
-    }
-    observe(engine.metrics, state, 'store_error', 'error', 'idempotency: the commit was sent but its outcome is unknown; answering 503', err)
-    return notCommitted(engine, reply, state, 'outcome-unknown')
-  }
-  state.lifecycle.settled()
+  const failed = await commitRecord(engine, state, response)
+  if (failed !== null) return notCommitted(engine, reply, state, failed.failure)
   // The committed answer's status, whatever a handler still running set meanwhile.
   if (reply.statusCode !== statusCode) reply.code(statusCode)
   return captured.kind === 'bytes' ? undefined : body
@@ -243,7 +202,7 @@ async function commitThenSend (
  * The record of a response by reference, when the route rebuilds replays (`rebuild`) and the handler
  * set `request.idempotency.reference`; null to record the body as usual.
  */
-function referenceOf (engine: Engine, state: RequestState, statusCode: number, headers: Record<string, string | string[]>): StoredResponse | null {
+function referenceOf (engine: HttpEngine, state: FastifyRequestState, statusCode: number, headers: Record<string, string | string[]>): StoredResponse | null {
   const reference = state.context?.reference
   if (state.settings.rebuild === null || reference === undefined) return null
   const response = referenceRecord(statusCode, headers, reference)
@@ -253,7 +212,7 @@ function referenceOf (engine: Engine, state: RequestState, statusCode: number, h
   return response
 }
 
-function notCommitted (engine: Engine, reply: FastifyReply, state: RequestState, kind: Extract<ProblemKind, 'not-committed' | 'outcome-unknown' | 'transaction-ended'>): string {
+function notCommitted (engine: HttpEngine, reply: FastifyReply, state: FastifyRequestState, kind: CommitFailure): string {
   for (const name of Object.keys(reply.getHeaders())) reply.removeHeader(name)
   return applyProblem(reply, engine.problems, engine.problemOptions, kind === 'outcome-unknown'
     ? { kind, retryAfter: state.settings.retryAfter }

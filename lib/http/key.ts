@@ -106,10 +106,15 @@ export type KeyFunction = (request: FastifyRequest) => string | undefined
 
 const NO_KEY_FROM_FUNCTION: ParsedKey = { ok: false, reason: 'missing', detail: 'This operation requires a key, and the request carries none where this route looks for it.' }
 
+/** C0 and C1 controls and DEL (Unicode Cc), and a surrogate that is not half of a pair. */
+const UNSTORABLE = /[\p{Cc}\p{Cs}]/u
+
 /**
  * The key a route's `key` function returns, taken verbatim: it is the sender's identifier (an event
  * id, a delivery id), not a Structured Field, so nothing is unquoted. Control characters are refused
- * (no driver can store a NUL, and a key is logged), and so is anything longer than `maxLength`.
+ * (no driver can store a NUL, and a key is logged), and so is a lone surrogate (a body's `"\ud800"`):
+ * UTF-8 cannot encode it, so PostgreSQL would store U+FFFD and two different keys would become one.
+ * Anything longer than `maxLength` is refused too.
  */
 export function keyFromFunction (fn: KeyFunction, request: FastifyRequest, maxLength: number): ParsedKey {
   const key: unknown = fn(request)
@@ -119,7 +124,6 @@ export function keyFromFunction (fn: KeyFunction, request: FastifyRequest, maxLe
   }
   if (key.length === 0) return invalid('The key must not be empty.')
   if (key.length > maxLength) return invalid(`The key must be at most ${maxLength} characters long.`)
-  // eslint-disable-next-line no-control-regex
-  if (/[\u0000-\u001f\u007f]/.test(key)) return invalid('The key must not contain control characters.')
+  if (UNSTORABLE.test(key)) return invalid('The key must not contain control characters or unpaired surrogates.')
   return { ok: true, key }
 }

@@ -1,5 +1,5 @@
 import type { FastifySchema, RouteOptions } from 'fastify'
-import type { Engine } from '../core/engine.js'
+import type { HttpEngine } from './engine.js'
 import type { GlobalSettings, RouteSettings } from './options.js'
 import { PROBLEMS, type ProblemKind } from './problems.js'
 
@@ -24,7 +24,7 @@ import { PROBLEMS, type ProblemKind } from './problems.js'
  */
 export function documentRoute (
   route: RouteOptions,
-  engine: Engine,
+  engine: HttpEngine,
   global: GlobalSettings,
   settings: RouteSettings,
   methods: ReadonlySet<string> | null
@@ -68,9 +68,15 @@ type RouteProblem = Extract<ProblemKind,
   'not-committed' | 'outcome-unknown' | 'transaction-ended' | 'body-too-deep' | 'body-too-large'>
 
 const WHEN: Readonly<Record<RouteProblem, (settings: RouteSettings) => string>> = {
-  'key-missing': () => `The Idempotency-Key header is missing, and this operation requires one (${DRAFT} §2.7).`,
-  'key-invalid': () => 'The Idempotency-Key header is not a valid key: not a Structured Field String (RFC 9651 §3.3.3), ' +
-    `empty, too long, or sent more than once (${DRAFT} §2.1).`,
+  // A route with a `key` option reads its key elsewhere (a webhook's event or delivery id), not from the header.
+  'key-missing': (settings) => settings.key === null
+    ? `The Idempotency-Key header is missing, and this operation requires one (${DRAFT} §2.7).`
+    : 'The request carries no key where this operation looks for one (such as an event or delivery id), and this operation requires one.',
+  'key-invalid': (settings) => settings.key === null
+    ? 'The Idempotency-Key header is not a valid key: not a Structured Field String (RFC 9651 §3.3.3), ' +
+      `empty, too long, or sent more than once (${DRAFT} §2.1).`
+    : `The key this operation takes from the request is not valid: empty, longer than ${settings.maxKeyLength} characters, ` +
+      'or holding control characters or unpaired surrogates.',
   'key-reused': () => 'The key was already used for a different request (method, target or body); the first request\'s ' +
     `outcome is kept, and is still replayed to that request (${DRAFT} §2.7).`,
   'request-in-progress': (settings) => 'A request with the same key is still being processed' +
@@ -148,7 +154,7 @@ function declaresKey (headers: Schema): boolean {
 
 function withResponses (
   existing: unknown,
-  engine: Engine,
+  engine: HttpEngine,
   global: GlobalSettings,
   settings: RouteSettings,
   methods: ReadonlySet<string> | null
@@ -195,7 +201,7 @@ function replayedHeader (only: string): Schema {
   }
 }
 
-function problemsByStatus (engine: Engine, settings: RouteSettings): Map<number, RouteProblem[]> {
+function problemsByStatus (engine: HttpEngine, settings: RouteSettings): Map<number, RouteProblem[]> {
   const kinds: RouteProblem[] = []
   if (settings.required) kinds.push('key-missing')
   kinds.push('key-invalid', 'key-reused', 'request-in-progress', 'response-not-retained')
@@ -217,7 +223,7 @@ function problemsByStatus (engine: Engine, settings: RouteSettings): Map<number,
 /** One status's answers, each as the plugin sends it (the rendered body is the example). */
 function problemResponse (
   kinds: readonly RouteProblem[],
-  engine: Engine,
+  engine: HttpEngine,
   global: GlobalSettings,
   settings: RouteSettings,
   only: string

@@ -1,6 +1,5 @@
 import type { FastifyRequest } from 'fastify'
 import { InvalidOptionError } from '../core/errors.js'
-import type { FingerprintFunction, FingerprintOption } from '../core/fingerprint.js'
 import type { CanonicalLimits } from '../core/fingerprint-canonical.js'
 import { DEFAULT_REPLAY_HEADERS, isSensitiveHeader, NEVER_REPLAYED } from './headers.js'
 import type { KeyFormat, KeyFunction } from './key.js'
@@ -9,12 +8,23 @@ import type { RebuildFunction } from './reference.js'
 import { createMetrics, type MeterLike, type Metrics } from '../core/observe.js'
 import { PROFILE_NAMES, type ProfileName } from './profiles.js'
 import { booleanOption, integerOption, MAX_TIMER_MS } from '../core/validate.js'
-import type { EarlierRoutesPolicy } from '../fastify/earlier-routes.js'
-import { refuseEmptyScope } from './scope.js'
+import { refuseEmptyScope, type ScopeFunction } from './scope.js'
 import type { IdempotencyPrefilter } from '../core/prefilter.js'
 import type { IdempotencyStore } from '../core/store.js'
 
-export type ScopeFunction = (request: FastifyRequest) => string | Promise<string>
+/**
+ * A user-supplied fingerprint: whatever it returns is hashed (SHA-256) and stored with algorithm
+ * `custom-v1`. It decides alone what makes two requests "the same" (draft §2.4 lists checksums of
+ * selected elements among the options), so it usually covers the method and target too.
+ */
+export type FingerprintFunction = (request: FastifyRequest) => string | Buffer | Promise<string | Buffer>
+
+export type FingerprintOption = 'canonical' | 'raw' | FingerprintFunction
+
+/** What a route for a protected method declared before the plugin loaded does to the boot (lib/fastify/earlier-routes.ts). */
+export type EarlierRoutesPolicy = 'fail' | 'warn'
+
+export type { ScopeFunction }
 export type RecordRule = (statusCode: number) => boolean
 
 /** Options that make sense per route, in `config: { idempotency: { ... } }` as well as at registration. */

@@ -1,5 +1,8 @@
 import type { FastifyReply } from 'fastify'
+import type { ProblemKind } from './problem-kind.js'
 import { occurrenceBody, renderProblems, type ProblemDefinition, type ProfileName, type RenderedProblem } from './profiles.js'
+
+export type { ProblemKind }
 
 /**
  * The plugin's own answers, as RFC 9457 problem details. Each kind has its own absolute `type` URI
@@ -7,20 +10,6 @@ import { occurrenceBody, renderProblems, type ProblemDefinition, type ProfileNam
  * `detail` never echoes the key nor anything recorded for any key (RFC 9457 §5). None of these is
  * ever recorded as a key's outcome. The `profile` option may give them another shape (lib/http/profiles.ts).
  */
-export type ProblemKind =
-  | 'key-missing'
-  | 'key-invalid'
-  | 'key-reused'
-  | 'request-in-progress'
-  | 'store-unavailable'
-  | 'response-not-retained'
-  | 'not-committed'
-  | 'outcome-unknown'
-  | 'transaction-ended'
-  | 'key-unknown'
-  | 'body-too-deep'
-  | 'body-too-large'
-
 export const PROBLEMS: Readonly<Record<ProblemKind, ProblemDefinition>> = {
   'key-missing': {
     status: 400,

@@ -1,4 +1,4 @@
-import type { ProblemKind } from './problems.js'
+import type { ProblemKind } from './problem-kind.js'
 
 /**
  * The shape of the plugin's own error answers, chosen once per registration:

@@ -1,7 +1,9 @@
 import type { FastifyRequest } from 'fastify'
 import { EmptyScopeError } from '../core/errors.js'
 import { isThenable } from '../core/thenable.js'
-import type { ScopeFunction } from './options.js'
+
+/** The principal that owns keys on a route (the `scope` option). */
+export type ScopeFunction = (request: FastifyRequest) => string | Promise<string>
 
 /** A lone surrogate (\p{Cs} in a u-mode pattern matches only unpaired ones) or NUL. */
 const MALFORMED_SCOPE = /[\p{Cs}\0]/u

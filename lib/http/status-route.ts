@@ -1,5 +1,6 @@
 import type { FastifyInstance, FastifyReply, FastifyRequest } from 'fastify'
-import { answer, type Engine } from '../core/engine.js'
+import { answer, type HttpEngine } from './engine.js'
+import { observedRequest } from './observed-request.js'
 import type { GlobalSettings, StatusRouteSettings } from './options.js'
 import type { StoredRecord } from '../core/store.js'
 import { observe } from '../core/observe.js'
@@ -38,7 +39,7 @@ const UTF8 = new TextDecoder('utf-8', { fatal: true, ignoreBOM: true })
  * plugin is registered on (fastify-plugin), so it gets that instance's hooks, including those added
  * after the registration: Fastify binds a route's hooks when the instance becomes ready.
  */
-export function registerStatusRoute (fastify: FastifyInstance, engine: Engine, global: GlobalSettings, route: StatusRouteSettings): void {
+export function registerStatusRoute (fastify: FastifyInstance, engine: HttpEngine, global: GlobalSettings, route: StatusRouteSettings): void {
   const settings = global.route
   async function keyStatus (request: FastifyRequest, reply: FastifyReply, key: string): Promise<FastifyReply> {
     const startedAt = performance.now()
@@ -51,7 +52,7 @@ export function registerStatusRoute (fastify: FastifyInstance, engine: Engine, g
       record = await bounded('get', settings.storeTimeout, () => engine.store.get({ scope, key }))
     } catch (err) {
       // Nothing runs on this route, so `onStoreError: 'bypass'` has nothing to bypass: always 503.
-      observe(engine.metrics, { key, scope, log: request.log, request, startedAt }, 'store_error', 'error', 'idempotency: store failed on a key status lookup; answering 503', err)
+      observe(engine.metrics, observedRequest(request, key, scope, startedAt), 'store_error', 'error', 'idempotency: store failed on a key status lookup; answering 503', err)
       return answer(engine, null, reply, { kind: 'store-unavailable', retryAfter: settings.retryAfter })
     }
     if (record === null) return answer(engine, null, reply, { kind: 'key-unknown' })

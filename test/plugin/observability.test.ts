@@ -92,7 +92,7 @@ t.test('the diagnostics channel carries every decision with its request, route p
   t.equal(replayed.route, '/pay/:id', 'the route pattern, not the URL')
   t.equal(replayed.method, 'POST')
   t.ok(replayed.durationMs >= 0 && replayed.durationMs < 10_000)
-  t.equal(replayed.request.headers['x-account'], 'acct_a', 'the request itself')
+  t.equal(replayed.request?.headers['x-account'], 'acct_a', 'the request itself')
   t.ok(events.every((event) => typeof event.durationMs === 'number'))
 })
 

@@ -1,5 +1,5 @@
 import type { FastifyRequest } from 'fastify'
-import { stateOf } from '../../lib/core/context.js'
+import { stateOf } from '../../lib/fastify/request-state.js'
 import type { IdempotencyStore, Lease } from '../../lib/core/store.js'
 import type { Trace } from './trace.js'
 import type { Route } from './workload.js'

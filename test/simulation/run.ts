@@ -1,7 +1,7 @@
 import diagnostics from 'node:diagnostics_channel'
-import type { FastifyInstance, FastifyReply, FastifyRequest } from 'fastify'
-import { kState, stateOf } from '../../lib/core/context.js'
-import { DECISION_CHANNEL, type DecisionEvent } from '../../lib/core/observe.js'
+import type { FastifyReply, FastifyRequest } from 'fastify'
+import { kState, stateOf } from '../../lib/fastify/request-state.js'
+import { DECISION_CHANNEL, type DecisionEvent, type IdempotentOperation } from '../../lib/index.js'
 import { seededRandom } from '../chaos/random.js'
 import { clock, now, settle } from './clock.js'
 import { CALM, Network, type CallRecord } from './network.js'
@@ -9,8 +9,8 @@ import { planted, type Plant } from './plants.js'
 import { PrefilterModel, prefilterOn } from './prefilter-model.js'
 import { short, StoreModel, storeOn, type Effect, type TransactionHandle } from './store-model.js'
 import { Trace } from './trace.js'
-import { EFFECTFUL, isAtomic, probes, workload, type Plan, type Route } from './workload.js'
-import { LEASE, requestContext, type Current } from './world.js'
+import { EFFECTFUL, isAtomic, isJob, probes, workload, type Plan, type Route } from './workload.js'
+import { JOB_OPTIONS, LEASE, requestContext, type Current, type Instance } from './world.js'
 
 /*
  * One run of the simulation: a seed's workload against the instances, on the virtual clock, then
@@ -57,6 +57,16 @@ interface Flight {
   tries: number
 }
 
+/** What a job's refusal stands for, as a route would answer it (the probes retry on 409 and 503 alike). */
+const JOB_REFUSALS: Readonly<Record<string, number>> = {
+  FST_IDEMPOTENCY_IN_PROGRESS: 409,
+  FST_IDEMPOTENCY_MISMATCH: 422,
+  FST_IDEMPOTENCY_STORE_UNAVAILABLE: 503
+}
+
+/** What a handler or a job's function uses of its operation. */
+type Operation = Pick<IdempotentOperation, 'step' | 'markIndeterminate' | 'sql'>
+
 const HORIZON_MS = 180_000
 const PROBE_AFTER_MS = 2_000
 const PROBE_RETRY_MS = 2_000
@@ -69,9 +79,9 @@ let active: { readonly network: Network, readonly flights: Map<number, Flight>, 
 diagnostics.subscribe(DECISION_CHANNEL, (message) => {
   if (active === null) return
   const event = message as DecisionEvent
-  const id = Number(event.request.headers['x-sim'])
+  const id = Number(event.request?.headers['x-sim'])
   const flight = active.flights.get(id)
-  active.trace.log(`r${id} decision: ${event.outcome}`)
+  active.trace.log(`${event.request === undefined ? `job ${event.route} ${event.key}` : `r${id}`} decision: ${event.outcome}`)
   if (event.outcome === 'conflict') {
     // A 409 is the store's word: the store answered this step that the key is in progress.
     const said = active.network.delivered.some((d) => d.operation === 'claim' && d.key === event.key && d.answer === 'in_progress')
@@ -83,7 +93,7 @@ diagnostics.subscribe(DECISION_CHANNEL, (message) => {
   }
 })
 
-export async function simulate (seed: number, instances: readonly FastifyInstance[], current: Current, plant: Plant | null): Promise<RunResult> {
+export async function simulate (seed: number, instances: readonly Instance[], current: Current, plant: Plant | null): Promise<RunResult> {
   const random = seededRandom(seed)
   const work = workload(random.fork('workload'))
   const trace = new Trace(now())
@@ -97,13 +107,13 @@ export async function simulate (seed: number, instances: readonly FastifyInstanc
   const running = new Map<string, number>()
   const model = new StoreModel({
     acquired (token, key, request, takeover) {
-      if (takeover) coverage.takeover = true
       const flight = request === null ? undefined : flights.get(request)
+      if (takeover) coverage[flight !== undefined && isJob(flight.plan.route) ? 'jobTakeover' : 'takeover'] = true
       if (flight !== undefined) flight.acquiredAt = now()
       trace.log(`  store: ${key} ${takeover ? 'taken over' : 'acquired'} by ${short(token)}${request === null ? '' : ` for r${request}`}`)
     },
     changed (key, what, token) {
-      if (what === 'held') coverage.held = true
+      if (what === 'held') coverage[work.plans.some((plan) => plan.key === key && isJob(plan.route)) ? 'jobHeld' : 'held'] = true
       trace.log(`  store: ${key} ${what} (${short(token)})`)
     }
   }, random.fork('tokens'))
@@ -134,6 +144,60 @@ export async function simulate (seed: number, instances: readonly FastifyInstanc
     if (call.operation === 'give-up') coverage.takeoverGivenBack = true
   }
 
+  /**
+   * What a handler or a job does, on either door: its effect (lease mode: when it runs, or in its
+   * step; atomic mode: a write in the claim's transaction), its work, and how it ends. Throws for
+   * the ends that throw; returns the others for the door to answer.
+   */
+  const operate = async (id: number, route: Route, context: Operation, token: string): Promise<'ok' | 'fail-500' | 'unsendable'> => {
+    const flight = flights.get(id) as Flight
+    const plan = flight.plan
+    const atomic = isAtomic(route)
+    flight.handlerStartedAt = now()
+    trace.log(`r${id} handler starts (${plan.end}, ${plan.work} ms) as ${short(token)}`)
+    if (!atomic) {
+      const others = running.get(plan.key) ?? 0
+      if (others > 0) violations.push({ kind: 'concurrent-execution', detail: `r${id} started ${plan.key}'s handler while another ran` })
+      running.set(plan.key, others + 1)
+    }
+    let done = false
+    const ended = (): void => {
+      if (done) return
+      done = true
+      if (!atomic) running.set(plan.key, (running.get(plan.key) ?? 1) - 1)
+      trace.log(`r${id} handler ends`)
+    }
+    const effect = (): void => {
+      const list = effects.get(plan.key) ?? []
+      list.push({ key: plan.key, request: id, at: now() })
+      effects.set(plan.key, list)
+      trace.log(`r${id} EFFECT on ${plan.key}`)
+    }
+    const stepped = route === '/l/steps' || route === '/j/steps'
+    try {
+      const effectful = EFFECTFUL.has(plan.end)
+      if (!atomic && effectful && !stepped) effect()
+      if (stepped) {
+        await context.step('charge', () => {
+          if (effectful) effect()
+          return 'charged'
+        })
+      }
+      if (plan.work > 0) await new Promise((resolve) => { setTimeout(resolve, plan.work) })
+      if (atomic && effectful) (context.sql as unknown as TransactionHandle).write({ key: plan.key, request: id, at: now() })
+      switch (plan.end) {
+        case 'throw': throw new Error('sim: card declined')
+        case 'indeterminate':
+          context.markIndeterminate()
+          throw new Error('sim: the provider did not answer')
+        default: return plan.end
+      }
+    } finally {
+      // The work ends here; what follows is its answer being sent (and settled).
+      ended()
+    }
+  }
+
   current.handlers = {
     arrived (request) {
       const flight = flights.get(Number(request.headers['x-sim']))
@@ -141,58 +205,26 @@ export async function simulate (seed: number, instances: readonly FastifyInstanc
     },
     async handle (request: FastifyRequest, reply: FastifyReply, route: Route): Promise<unknown> {
       const id = Number(request.headers['x-sim'])
-      const flight = flights.get(id) as Flight
-      const plan = flight.plan
-      const atomic = isAtomic(route)
-      flight.handlerStartedAt = now()
-      const token = stateOf(request)?.lifecycle.lease?.token ?? '?'
-      trace.log(`r${id} handler starts (${plan.end}, ${plan.work} ms) as ${short(token)}`)
-      if (!atomic) {
-        const others = running.get(plan.key) ?? 0
-        if (others > 0) violations.push({ kind: 'concurrent-execution', detail: `r${id} started ${plan.key}'s handler while another ran` })
-        running.set(plan.key, others + 1)
+      const context = request.idempotency
+      if (context === null) throw new Error('sim: a protected request without request.idempotency')
+      const end = await operate(id, route, context, stateOf(request)?.lifecycle.lease?.token ?? '?')
+      const plan = (flights.get(id) as Flight).plan
+      switch (end) {
+        case 'ok': return reply.code(201).send({ charge: `r${id}`, key: plan.key })
+        case 'fail-500': return reply.code(500).send({ error: 'sim: provider down' })
+        case 'unsendable':
+          reply.header('x-sim-bad', 'a\r\nb')
+          return reply.code(201).send({ charge: `r${id}` })
       }
-      let done = false
-      const ended = (): void => {
-        if (done) return
-        done = true
-        if (!atomic) running.set(plan.key, (running.get(plan.key) ?? 1) - 1)
-        trace.log(`r${id} handler ends`)
-      }
-      const effect = (): void => {
-        const list = effects.get(plan.key) ?? []
-        list.push({ key: plan.key, request: id, at: now() })
-        effects.set(plan.key, list)
-        trace.log(`r${id} EFFECT on ${plan.key}`)
-      }
-      try {
-        const context = request.idempotency
-        if (context === null) throw new Error('sim: a protected request without request.idempotency')
-        const effectful = EFFECTFUL.has(plan.end)
-        if (!atomic && effectful && route !== '/l/steps') effect()
-        if (route === '/l/steps') {
-          await context.step('charge', () => {
-            if (effectful) effect()
-            return 'charged'
-          })
-        }
-        if (plan.work > 0) await new Promise((resolve) => { setTimeout(resolve, plan.work) })
-        if (atomic && effectful) (context.sql as unknown as TransactionHandle).write({ key: plan.key, request: id, at: now() })
-        // The handler's work ends here; what follows is its answer being sent (and settled).
-        ended()
-        switch (plan.end) {
-          case 'ok': return reply.code(201).send({ charge: `r${id}`, key: plan.key })
-          case 'throw': throw new Error('sim: card declined')
-          case 'fail-500': return reply.code(500).send({ error: 'sim: provider down' })
-          case 'indeterminate':
-            context.markIndeterminate()
-            throw new Error('sim: the provider did not answer')
-          case 'unsendable':
-            reply.header('x-sim-bad', 'a\r\nb')
-            return reply.code(201).send({ charge: `r${id}` })
-        }
-      } finally {
-        ended()
+    },
+    async job (id, route, op) {
+      const end = await operate(id, route, op, '(a job)')
+      const plan = (flights.get(id) as Flight).plan
+      switch (end) {
+        case 'ok': return { charge: `r${id}`, key: plan.key }
+        case 'fail-500': throw new Error('sim: provider down')
+        // What a job cannot record: its value is no JSON (a route's answer with a header Node refuses).
+        case 'unsendable': return { charge: BigInt(id) }
       }
     },
     errored (request, error) {
@@ -228,25 +260,44 @@ export async function simulate (seed: number, instances: readonly FastifyInstanc
     flight.answered = false
     flights.set(plan.id, flight)
     trace.log(`r${plan.id} arrives at i${plan.instance} ${plan.route} ${plan.key} amount ${plan.amount}${plan.probe ? ` (probe, try ${flight.tries})` : ''}`)
+    const answered = (status: number, body: string, replayed: boolean): void => {
+      flight.answered = true
+      flight.status = status
+      flight.body = body
+      flight.replayed = replayed
+      flight.respondedAt = now()
+      trace.log(`r${plan.id} answered ${status}${replayed ? ' (replay)' : ''} ${body.slice(0, 80)}`)
+      if (plan.probe && (status === 409 || status === 503) && flight.tries < PROBE_TRIES) {
+        setTimeout(() => { start(plan) }, PROBE_RETRY_MS)
+      }
+    }
+    const instance = instances[plan.instance] as Instance
+    if (isJob(plan.route)) {
+      coverage.job = true
+      const { runner, run } = JOB_OPTIONS[plan.route as keyof typeof JOB_OPTIONS]
+      requestContext.run(plan.id, () => {
+        instance.runners[runner].run({ key: plan.key, operation: plan.route, payload: { amount: plan.amount }, scope: 'tenant', ...run }, (op) => current.handlers.job(plan.id, plan.route, op))
+          .then(({ value, replayed }) => {
+            if (replayed) coverage.jobReplayed = true
+            answered(201, JSON.stringify(value), replayed)
+          }, (err: Error & { code?: string }) => {
+            const status = JOB_REFUSALS[err.code ?? ''] ?? 500
+            if (status === 409) coverage.jobInProgress = true
+            answered(status, err.message, false)
+          })
+      })
+      return
+    }
     const controller = plan.abortAfter === null ? null : new AbortController()
-    const instance = instances[plan.instance] as FastifyInstance
     requestContext.run(plan.id, () => {
-      instance.inject({
+      instance.app.inject({
         method: 'POST',
         url: plan.route,
         headers: { 'idempotency-key': `"${plan.key}"`, 'content-type': 'application/json', 'x-sim': String(plan.id) },
         payload: { amount: plan.amount },
         ...(controller === null ? {} : { signal: controller.signal })
       }).then((res) => {
-        flight.answered = true
-        flight.status = res.statusCode
-        flight.body = res.body
-        flight.replayed = res.headers['idempotent-replayed'] === 'true'
-        flight.respondedAt = now()
-        trace.log(`r${plan.id} answered ${res.statusCode}${flight.replayed ? ' (replay)' : ''} ${res.body.slice(0, 80)}`)
-        if (plan.probe && (res.statusCode === 409 || res.statusCode === 503) && flight.tries < PROBE_TRIES) {
-          setTimeout(() => { start(plan) }, PROBE_RETRY_MS)
-        }
+        answered(res.statusCode, res.body, res.headers['idempotent-replayed'] === 'true')
       }, (err: unknown) => {
         flight.answered = true
         flight.aborted = true

@@ -46,7 +46,12 @@ const CROSSED = {
   takeoverGivenBack: 'a takeover that landed too late was given back with its steps',
   held: 'a key was held for the reconciler',
   atomicInProgress: 'an atomic claim found the key locked by another transaction',
-  replayFromCopy: 'a replay came from the pre-filter\'s copy'
+  replayFromCopy: 'a replay came from the pre-filter\'s copy',
+  job: 'a key went through the job door',
+  jobReplayed: 'a job\'s run got the recorded value',
+  jobInProgress: 'a job\'s run was refused while another held its key',
+  jobTakeover: 'a job\'s lapsed lease was taken over',
+  jobHeld: 'a job\'s key was held for the reconciler'
 } as const
 
 t.test('3000 seeds: every invariant holds, and the runs cross every boundary named', async (t) => {

@@ -9,9 +9,18 @@ import type { FaultRates, Outage } from './network.js'
 
 /** The simulated routes; every instance has all of them (world.ts gives their options). */
 export const ROUTES = ['/l/plain', '/l/wait', '/l/timeout', '/l/rule', '/l/slow', '/l/steps', '/a/plain', '/a/wait', '/a/timeout'] as const
-export type Route = typeof ROUTES[number]
+/**
+ * The job door: runs through a job runner instead of a route (world.ts gives their runners and
+ * options). `/j/app` runs through `fastify.idempotency.run()`, the others through runners of their own.
+ */
+export const JOB_ROUTES = ['/j/app', '/j/wait', '/j/steps', '/j/slow', '/ja/plain', '/ja/wait'] as const
+export type Route = typeof ROUTES[number] | typeof JOB_ROUTES[number]
 
-export const isAtomic = (route: Route): boolean => route.startsWith('/a/')
+export const isAtomic = (route: Route): boolean => route.startsWith('/a/') || route.startsWith('/ja/')
+export const isJob = (route: Route): boolean => route.startsWith('/j')
+
+/** The share of keys that go through the job door. */
+const JOB_SHARE = 0.35
 
 /** How the handler ends. `ok`, `indeterminate` and `unsendable` have an effect (a charge); the others none. */
 export type HandlerEnd = 'ok' | 'throw' | 'fail-500' | 'indeterminate' | 'unsendable'
@@ -58,15 +67,23 @@ function handlerEnd (random: Random): HandlerEnd {
   return 'unsendable'
 }
 
+/** When the client leaves, as drawn; a job has no client to leave (the draw is made all the same, to keep the stream as it is). */
+function leavesAfter (route: Route, drawn: number | null): number | null {
+  return isJob(route) ? null : drawn
+}
+
 export function workload (random: Random): Workload {
   const instances = random.int(2, 3)
   const level = random()
   const rates = LEVELS[level < 0.25 ? 0 : level < 0.65 ? 1 : 2] as FaultRates
   const plans: Plan[] = []
   const keys = random.int(1, 3)
+  // Drawn from a stream of their own, so the routes' draws (and what a seed means for them) stay as they are.
+  const doors = random.fork('doors')
   for (let k = 0; k < keys; k++) {
     const key = `k${k}`
-    const route = random.pick(ROUTES)
+    const picked: Route = random.pick(ROUTES)
+    const route = doors.chance(JOB_SHARE) ? doors.pick(JOB_ROUTES) : picked
     const base = random.int(0, 300)
     const count = random.int(1, 4)
     for (let i = 0; i < count; i++) {
@@ -77,7 +94,7 @@ export function workload (random: Random): Workload {
         key,
         amount: i > 0 && random.chance(0.15) ? 2 : 1,
         arriveAt: i === 0 ? base : base + random.int(0, 700),
-        abortAfter: random.chance(0.15) ? random.int(0, 300) : null,
+        abortAfter: leavesAfter(route, random.chance(0.15) ? random.int(0, 300) : null),
         work: random.chance(0.2) ? 0 : random.int(1, 350),
         end: handlerEnd(random),
         probe: false
