@@ -4,7 +4,7 @@ import Fastify from 'fastify'
 import postgres from 'postgres'
 import t from 'tap'
 import idempotency, {
-  idempotencyRunner, KeyReusedError, memoryStore, OperationInProgressError, StoreUnavailableError, type IdempotencyStore, type MemoryStore
+  idempotencyRunner, InvalidOptionError, KeyReusedError, memoryStore, OperationInProgressError, StoreUnavailableError, type IdempotencyStore, type MemoryStore
 } from '../../lib/index.js'
 import { deriveKey } from '../../lib/core/derive.js'
 import { postgresStore, type PostgresStore } from '../../drivers/postgres/index.js'
@@ -126,6 +126,17 @@ for (const mode of modes) {
       }
     })
 
+    t.test('a value JSON cannot carry: run rejects with a TypeError, and the key is held since fn ran (released in atomic mode)', async (t) => {
+      const key = newKey('bigint')
+      let calls = 0
+      const refused = await rejection(runner.run(options(key), async () => { calls++; return { amount: 1n } }))
+      t.match(refused, { name: 'TypeError', message: /JSON-serializable/ })
+      const next = await rejection(runner.run(options(key), async () => { calls++; return 1 }))
+      if (atomic) t.equal(next, null, 'atomic mode: rolled back, so the next run ran')
+      else t.match(next, { code: 'FST_IDEMPOTENCY_IN_PROGRESS' }, 'held for the reconciler: its effect may have happened')
+      t.equal(calls, atomic ? 2 : 1)
+    })
+
     t.test('a payload is fingerprinted as JSON: the same members in another order are the same payload', async (t) => {
       const key = newKey('order')
       let calls = 0
@@ -221,21 +232,42 @@ for (const mode of modes) {
       if (atomic && writes !== null) t.equal(await writes(key), 1, 'atomic mode: its write committed with the record')
     })
 
-    t.test('op.markIndeterminate() before failing holds the key: refused until the reconciler resolves it', async (t) => {
-      const store = mode.store()
-      const key = newKey('held')
-      const boom = new Error('timed out talking to the provider')
-      let calls = 0
-      const failed = await rejection(runner.run(options(key), async (op) => { calls++; op.markIndeterminate(); throw boom }))
-      t.equal(failed, boom)
-      const refused = await rejection(runner.run(options(key), async () => { calls++; return 1 }))
-      t.ok(refused instanceof OperationInProgressError, `held: OperationInProgressError (${String(refused)})`)
-      t.ok((await store.listHeld(1000)).some((record) => record.key === key), 'listed as held for the reconciler')
-      const report = await store.reconcile({ olderThan: 0, resolve: (record) => record.key === key ? { action: 'release' } : undefined })
-      t.equal(report.released, 1, 'the reconciler released it')
-      t.same(await runner.run(options(key), async () => { calls++; return 2 }), { value: 2, replayed: false }, 'then the next run runs')
-      t.equal(calls, 2)
-    })
+    if (!atomic) {
+      t.test('op.markIndeterminate() before failing holds the key: refused until the reconciler resolves it', async (t) => {
+        const store = mode.store()
+        const key = newKey('held')
+        const boom = new Error('timed out talking to the provider')
+        let calls = 0
+        const failed = await rejection(runner.run(options(key), async (op) => { calls++; op.markIndeterminate(); throw boom }))
+        t.equal(failed, boom)
+        const refused = await rejection(runner.run(options(key), async () => { calls++; return 1 }))
+        t.ok(refused instanceof OperationInProgressError, `held: OperationInProgressError (${String(refused)})`)
+        t.ok((await store.listHeld(1000)).some((record) => record.key === key), 'listed as held for the reconciler')
+        const report = await store.reconcile({ olderThan: 0, resolve: (record) => record.key === key ? { action: 'release' } : undefined })
+        t.equal(report.released, 1, 'the reconciler released it')
+        t.same(await runner.run(options(key), async () => { calls++; return 2 }), { value: 2, replayed: false }, 'then the next run runs')
+        t.equal(calls, 2)
+      })
+    } else {
+      // Atomic mode has nothing to hold: the claim and fn's writes roll back together, so the key is
+      // free whatever fn declared (an outside call fn made is what deriveKey covers).
+      t.test('atomic mode: op.markIndeterminate() before failing still rolls the claim back with fn\'s writes; the next run runs', async (t) => {
+        const key = newKey('atomic-held')
+        const boom = new Error('timed out talking to the provider')
+        let calls = 0
+        const failed = await rejection(runner.run(options(key), async (op) => {
+          calls++
+          if (effectsInsert !== null) await effectsInsert(op.sql, key)
+          op.markIndeterminate()
+          throw boom
+        }))
+        t.equal(failed, boom)
+        if (writes !== null) t.equal(await writes(key), 0, 'fn\'s write rolled back')
+        t.notOk((await mode.store().listHeld(1000)).some((record) => record.key === key), 'nothing is held')
+        t.same(await runner.run(options(key), async () => { calls++; return 2 }), { value: 2, replayed: false }, 'the next run runs')
+        t.equal(calls, 2)
+      })
+    }
 
     if (mode.steps) {
       t.test('a step completed before fn threw: the key is held, and a resumed run continues from the step without repeating it', async (t) => {
@@ -293,6 +325,15 @@ for (const mode of modes) {
         gate.resolve()
         t.same(await run, { value: { written: true }, replayed: false })
         if (writes !== null) t.equal(await writes(key), 1, 'committed with the record')
+      })
+
+      t.test('atomic mode: op.step() is refused, the transaction being the unit of recovery; the key is released', async (t) => {
+        const key = newKey('atomic-step')
+        let ran = false
+        const refused = await rejection(runner.run(options(key), async (op) => await op.step('charge', () => { ran = true; return 1 })))
+        t.match(refused, { name: 'TypeError', message: /lease mode/ })
+        t.equal(ran, false, 'the step did not run')
+        t.same(await runner.run(options(key), async () => 2), { value: 2, replayed: false }, 'the next run runs')
       })
     }
   })
@@ -360,11 +401,24 @@ t.test('fastify.idempotency.run: the plugin\'s store and defaults, and the same 
   t.equal(calls, 1)
 })
 
-t.test('a run refuses what is not a key, an operation or a function, before anything is claimed', async (t) => {
-  const runner = idempotencyRunner({ store: memory })
-  for (const bad of [{ key: '', operation: 'op' }, { key: 'k', operation: '' }, { operation: 'op' }, { key: 'k' }]) {
-    const refused = await rejection(runner.run(bad as never, async () => 1))
-    t.ok(refused instanceof Error && !(refused instanceof StoreUnavailableError), `${JSON.stringify(bad)}: refused (${String(refused)})`)
+t.test('a run refuses what is not a key, an operation, a known option or a function, before anything is claimed', async (t) => {
+  const store = memoryStore()
+  t.teardown(() => store.close())
+  const runner = idempotencyRunner({ store })
+  let calls = 0
+  const refusals: Array<[string, unknown]> = [
+    ['an empty key', { key: '', operation: 'op' }],
+    ['an empty operation', { key: 'k', operation: '' }],
+    ['no key', { operation: 'op' }],
+    ['no operation', { key: 'k' }],
+    ['an unknown option', { key: 'k', operation: 'op', priority: 1 }],
+    ['a payload JSON cannot carry', { key: 'k', operation: 'op', payload: { n: 1n } }]
+  ]
+  for (const [what, options] of refusals) {
+    const refused = await rejection(runner.run(options as never, async () => { calls++; return 1 }))
+    t.ok(refused instanceof InvalidOptionError, `${what}: InvalidOptionError (${String(refused)})`)
   }
-  t.ok(await rejection(runner.run({ key: 'k', operation: 'op' }, null as never)) instanceof Error, 'fn must be a function')
+  t.ok(await rejection(runner.run({ key: 'k', operation: 'op' }, null as never)) instanceof InvalidOptionError, 'fn must be a function')
+  t.equal(calls, 0)
+  t.equal(store.usage().records, 0, 'nothing was claimed')
 })
