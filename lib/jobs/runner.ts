@@ -84,6 +84,8 @@ export function idempotencyRunner (options: RunnerOptions): StandaloneRunner {
 export function createRunner (engine: Engine, base: CoreSettings, retryAfterMs: number, log: Logger): IdempotencyRunner {
   return {
     run<T> (options: RunOptions, fn: (op: IdempotentOperation) => T | Promise<T>): Promise<RunResult<T>> {
+      // A closed runner (or a closed Fastify instance) would start runs nothing settles in the background.
+      if (engine.closed) return Promise.reject(new Error('fastify-idempotency: run() after the runner (or its Fastify instance) was closed'))
       let run: ResolvedRun
       try {
         run = resolveRun(options, base)
