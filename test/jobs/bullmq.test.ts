@@ -136,7 +136,8 @@ function suite (databaseUrl: string, redisUrl: string): void {
       const job = id === undefined ? undefined : await queue.getJob(id)
       if (job === undefined) throw new Error(`job ${String(id)} is not in the queue`)
       const state = await job.getState()
-      if (state === 'completed' || state === 'failed') return job
+      // Read again: the job read above may predate the move to this state (and its return value).
+      if (state === 'completed' || state === 'failed') return await queue.getJob(job.id ?? '') ?? job
       if (Date.now() > deadline) throw new Error(`job ${String(id)} is still ${state} after ${limitMs} ms (${job.failedReason ?? ''})`)
       await sleep(50)
     }
