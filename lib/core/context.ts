@@ -42,7 +42,9 @@ export interface IdempotencyContext {
   /**
    * Declares this request's failure indeterminate: an external effect may have happened. The key
    * then stays in progress, with its recorded steps, and retries get 409 until the reconciler
-   * resolves it (`store.reconcile`). The default once a step completed.
+   * resolves it (`store.reconcile`). The default once a step completed. Lease mode only: in atomic
+   * mode the transaction is the unit of recovery, and a failure rolls it back with the claim (the
+   * key is released), so call external services through steps of a lease-mode route or job.
    */
   markIndeterminate (): void
 
