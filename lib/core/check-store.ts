@@ -7,16 +7,17 @@ import type { IdempotencyStore } from './store.js'
 const STORE_METHODS = ['claim', 'complete', 'release', 'renew', 'get', 'purgeExpired', 'close'] as const
 const PREFILTER_METHODS = ['lookup', 'markInFlight', 'clearInFlight', 'remember', 'close'] as const
 
-export function checkStore (store: IdempotencyStore): void {
+/** `option` names it in the error: the plugin's `option "store"`, a runner's own. */
+export function checkStore (store: IdempotencyStore, option = 'option "store"'): void {
   const missing = typeof store === 'object' && store !== null
     ? STORE_METHODS.filter((method) => typeof (store as unknown as Record<string, unknown>)[method] !== 'function')
     : [...STORE_METHODS]
   if (missing.length > 0) {
-    throw new InvalidOptionError('option "store"', `an IdempotencyStore (missing ${missing.join(', ')})`, store)
+    throw new InvalidOptionError(option, `an IdempotencyStore (missing ${missing.join(', ')})`, store)
   }
   const check: unknown = store.check
   if (check !== undefined && typeof check !== 'function') {
-    throw new InvalidOptionError('option "store".check', 'a function when present (IdempotencyStore.check, called at boot)', check)
+    throw new InvalidOptionError(`${option}.check`, 'a function when present (IdempotencyStore.check, called at boot)', check)
   }
 }
 
@@ -26,11 +27,11 @@ export function checkTransactions (store: IdempotencyStore | undefined, option: 
   }
 }
 
-export function checkPrefilter (prefilter: IdempotencyPrefilter): void {
+export function checkPrefilter (prefilter: IdempotencyPrefilter, option = 'option "prefilter"'): void {
   const missing = typeof prefilter === 'object' && prefilter !== null
     ? PREFILTER_METHODS.filter((method) => typeof (prefilter as unknown as Record<string, unknown>)[method] !== 'function')
     : [...PREFILTER_METHODS]
   if (missing.length > 0) {
-    throw new InvalidOptionError('option "prefilter"', `an IdempotencyPrefilter (missing ${missing.join(', ')})`, prefilter)
+    throw new InvalidOptionError(option, `an IdempotencyPrefilter (missing ${missing.join(', ')})`, prefilter)
   }
 }

@@ -48,6 +48,7 @@ export interface RunOptions {
   readonly transaction?: boolean
 }
 
+const RUNNER_OPTION_NAMES = new Set(['store', 'prefilter', 'ttl', 'lease', 'maxOwnership', 'wait', 'storeTimeout', 'retryAfter', 'transaction', 'encryption', 'metrics', 'log'])
 const RUN_OPTION_NAMES = new Set(['key', 'operation', 'payload', 'scope', 'ttl', 'lease', 'wait', 'transaction'])
 
 /** The longest key or operation name: the plugin's largest `maxKeyLength`. */
@@ -55,6 +56,8 @@ const MAX_NAME_LENGTH = 8192
 
 export interface RunnerDefaults {
   readonly settings: CoreSettings
+  /** The `log` option, or a logger that logs nothing. */
+  readonly log: Logger
   /** OperationInProgressError's `retryAfter`, in ms. */
   readonly retryAfterMs: number
 }
@@ -71,6 +74,10 @@ export interface ResolvedRun {
 /** The runner's timing, validated once when it is built. */
 export function resolveRunnerDefaults (options: RunnerOptions): RunnerDefaults {
   const name = (option: string): string => `idempotencyRunner() option "${option}"`
+  if (options === null || typeof options !== 'object' || Array.isArray(options)) throw new InvalidOptionError('idempotencyRunner() options', 'an object with a store', options)
+  for (const option of Object.keys(options)) {
+    if (!RUNNER_OPTION_NAMES.has(option)) throw new InvalidOptionError(name(option), `one of ${[...RUNNER_OPTION_NAMES].join(', ')}`, (options as unknown as Record<string, unknown>)[option])
+  }
   const ttl = integerOption(name('ttl'), options.ttl, 24 * 60 * 60 * 1000, 1, MAX_TIMER_MS, 'milliseconds')
   const retryAfterMs = integerOption(name('retryAfter'), options.retryAfter, 1_000, 0, MAX_TIMER_MS, 'milliseconds')
   const settings: CoreSettings = Object.freeze({
@@ -84,7 +91,20 @@ export function resolveRunnerDefaults (options: RunnerOptions): RunnerDefaults {
     onStoreError: 'fail',
     transaction: booleanOption(name('transaction'), options.transaction, false)
   })
-  return { settings, retryAfterMs }
+  return { settings, retryAfterMs, log: options.log === undefined ? SILENT : logger(name('log'), options.log) }
+}
+
+/** A runner without `log` logs nothing (decisions still reach metrics and the diagnostics channel). */
+const SILENT: Logger = { debug () {}, info () {}, warn () {}, error () {}, isLevelEnabled: () => false }
+
+const LOG_METHODS = ['debug', 'info', 'warn', 'error'] as const
+
+function logger (name: string, value: unknown): Logger {
+  const missing = typeof value === 'object' && value !== null
+    ? LOG_METHODS.filter((method) => typeof (value as Record<string, unknown>)[method] !== 'function')
+    : [...LOG_METHODS]
+  if (missing.length > 0) throw new InvalidOptionError(name, `a logger with ${LOG_METHODS.join(', ')} (a pino logger fits; missing ${missing.join(', ')})`, value)
+  return value as Logger
 }
 
 /** One run's options over `base` (the runner's, or the plugin's). Throws InvalidOptionError naming the option. */

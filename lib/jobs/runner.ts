@@ -46,9 +46,6 @@ export interface StandaloneRunner extends IdempotencyRunner {
   close (): Promise<void>
 }
 
-/** A silent logger: a runner without `log` logs nothing (decisions still reach metrics and the diagnostics channel). */
-const SILENT: Logger = { debug () {}, info () {}, warn () {}, error () {}, isLevelEnabled: () => false }
-
 /** The state of one run: the core's, described as `RUN <operation>` to logs, metrics and the diagnostics channel. */
 class RunState extends RequestState {
   readonly method = 'RUN'
@@ -64,16 +61,14 @@ class RunState extends RequestState {
  * once; each run's own options when it starts.
  */
 export function idempotencyRunner (options: RunnerOptions): StandaloneRunner {
-  if (options === null || typeof options !== 'object') throw new InvalidOptionError('idempotencyRunner() options', 'an object with a store', options)
-  if (options.store === undefined) throw new InvalidOptionError('idempotencyRunner() option "store"', 'an IdempotencyStore (memoryStore(), postgresStore(...))', undefined)
-  checkStore(options.store)
-  if (options.prefilter !== undefined) checkPrefilter(options.prefilter)
   const defaults = resolveRunnerDefaults(options)
+  if (options.store === undefined) throw new InvalidOptionError('idempotencyRunner() option "store"', 'an IdempotencyStore (memoryStore(), postgresStore(...))', undefined)
+  checkStore(options.store, 'idempotencyRunner() option "store"')
+  if (options.prefilter !== undefined) checkPrefilter(options.prefilter, 'idempotencyRunner() option "prefilter"')
   if (defaults.settings.transaction) checkTransactions(options.store, 'idempotencyRunner() option "transaction"')
   const keyring = options.encryption === undefined ? null : resolveKeyring(options.encryption)
   const engine = createEngine(options.store, options.prefilter ?? null, keyring, createMetrics(options.metrics))
-  const log = options.log ?? SILENT
-  const runner = createRunner(engine, defaults.settings, defaults.retryAfterMs, log)
+  const runner = createRunner(engine, defaults.settings, defaults.retryAfterMs, defaults.log)
   return {
     run: runner.run,
     async close () { engine.closed = true }
