@@ -14,13 +14,13 @@ import { SCENARIOS, type Scenario } from './scenario-routes.js'
  * postgres.js (the default) or a node-postgres Pool (database.ts).
  *
  * Full mode (the default) keeps faults coming for `duration` seconds (300), with at least 10,000
- * operations, every fault kind at least 10 times and every lease boundary crossed at least 50 times
- * (a shorter --duration scales them down); quick mode (CI) runs 30 s with every kind and every
- * boundary at least once.
+ * operations, every fault kind at least 10 times and every lease and queue boundary crossed at
+ * least 50 times (a shorter --duration scales them down); quick mode (CI) runs 30 s with every kind
+ * and every boundary at least once. Both run the queue door (queue.ts) beside the HTTP load.
  *
  * `--scenario=` is the targeted mode (the planted-bug tests): only the named lease-boundary
- * scenarios run, one operation every 500 ms, with no other operations and no faults, and only
- * their own boundaries must be crossed (at least once).
+ * scenarios run, one operation every 500 ms, with no other operations, no queue door and no
+ * faults, and only their own boundaries must be crossed (at least once).
  */
 export interface ChaosConfig {
   readonly mode: 'full' | 'quick'
