@@ -67,8 +67,6 @@ export interface JobDelivery {
   readonly job: Job
 }
 
-export const DELIVERY_REASONS: readonly DeliveryReason[] = ['first', 'visibility', 'retry', 'duplicate', 'late']
-
 /** Settings each worker process shares. */
 export interface WorkerEnvironment {
   readonly databaseUrl: string
