@@ -12,10 +12,10 @@ import { CLIENT_LABELS, PG_CLIENTS } from './database.js'
 import { formatDeaths } from './deaths.js'
 import { FAULT_KINDS } from './faults.js'
 import type { EvidenceLine } from './evidence.js'
-import type { Attempt, Effect, History, Operation } from './history.js'
+import type { Attempt, DeliveryReason, Effect, History, Operation } from './history.js'
 import { get, post } from './http.js'
 import { seededRandom } from './random.js'
-import { BOUNDARIES } from './executions.js'
+import { BOUNDARIES, QUEUE_BOUNDARIES } from './executions.js'
 import { PLANT_TARGETS, PLANTS } from './plants.js'
 import type { ChaosReport } from './report.js'
 import { startFaultProxy } from '../helpers/fault-proxy.js'
@@ -265,6 +265,50 @@ t.test('checker (evidence): a clean history passes, and the boundaries it crosse
   t.equal(stats.boundaries['retry-while-abandoned-handler-ran'], 3, 'the three 409s arrived while the abandoned handler still ran')
   t.equal(stats.boundaries['held-past-ttl'], 1, 'retries of the held key after its ttl, before the reconciler resolved it')
   t.equal(stats.handlersOutlivingLease, 1)
+})
+
+t.test('checker (evidence): a job killed mid-run, redelivered, duplicated and delivered late crosses each queue boundary once', async (t) => {
+  // Worker 0 (pid 200) runs the job from 100 ms and is killed at 450 ms, after its charge; the first
+  // delivery also went to worker 1, which waited and got OperationInProgressError. Worker 1 (pid
+  // 201) takes the key over at 1.6 s, its charge step already recorded, and runs slowly until
+  // 3.6 s; a redelivery to the restarted worker 0 (pid 202) at 3.1 s gets 409 meanwhile. After
+  // the value was recorded, the queue delivers the job once more: the replay.
+  const jobOp: Operation = { id: 10, scope: ALPHA, key: 'job-1', mode: 'lease', amount: 500, reuseAmount: null, scenario: null, door: 'queue' }
+  const killedRun: ExecutionSketch = { pid: 200, instance: 100, req: 'd1', op: jobOp, token: 'tJ1', claimAt: 100, route: 'job', renewUntil: 400, steps: [{ name: 'charge', calledAt: 110, ranAt: 111 }], handlerEnd: null }
+  const takeover: ExecutionSketch = { pid: 201, instance: 101, req: 'd3', op: jobOp, token: 'tJ2', claimAt: 1_600, route: 'job', takeover: true, renewUntil: 3_500, steps: [{ name: 'charge', calledAt: 1_610 }], handlerEnd: 3_600, settle: { ev: 'complete', at: 3_601, ok: true } }
+  const delivery = (instance: number, startedAt: number, endedAt: number, reason: DeliveryReason, outcome: Attempt['outcome']): Attempt =>
+    ({ op: jobOp.id, reuse: false, phase: 'load', instance, startedAt, endedAt, outcome, delivery: reason })
+  const h = evidenceHistory(killedRun, takeover)
+  const history: History = {
+    ...h,
+    operations: [...h.operations, jobOp],
+    attempts: [
+      ...h.attempts,
+      delivery(100, 95, 450, 'duplicate', { kind: 'error', error: 'worker-killed' }),
+      delivery(101, 95, 500, 'duplicate', status(409)),
+      delivery(101, 1_595, 3_605, 'visibility', ok(jobOp, 'ch_j')),
+      delivery(100, 3_100, 3_500, 'visibility', status(409)),
+      delivery(101, 4_000, 4_050, 'late', ok(jobOp, 'ch_j', true))
+    ],
+    effects: [...h.effects, effect(jobOp, 'ch_j')],
+    records: [...h.records, { scope: jobOp.scope, key: jobOp.key, state: 'completed', responseStatus: 200 }],
+    incarnations: [
+      ...h.incarnations,
+      { instance: 100, pid: 200, startedAt: 0, endedAt: 450, end: 'killed' },
+      { instance: 101, pid: 201, startedAt: 0, endedAt: null, end: null },
+      { instance: 100, pid: 202, startedAt: 1_000, endedAt: null, end: null }
+    ]
+  }
+  const result = check(history)
+  t.same(result.violations, [])
+  for (const boundary of QUEUE_BOUNDARIES) t.equal(result.stats.executions.boundaries[boundary], 1, boundary)
+  t.equal(result.stats.executions.reexecutions['after-dead-owner'], 1, 'the takeover followed a dead owner')
+
+  // The same takeover while the killed worker still lived and renewed: two owners of one job.
+  const alive: History = { ...history, incarnations: history.incarnations.filter((incarnation) => incarnation.pid !== 200), evidence: [...history.evidence, ...evidenceOf({ ...killedRun, req: 'd1b', renewUntil: 1_700, claimAt: 100 }).filter((line) => line.ev === 'renew' && line.t > 400)].sort((a, b) => a.t - b.t) }
+  t.ok(kinds(alive).includes('concurrent-execution'), 'a job taken over under a live lease is a violation')
+  t.equal(check(alive).stats.executions.boundaries['job-taken-over-after-kill'], 0, 'and no kill was crossed')
+  t.match(keyHistory(history, jobOp.scope, jobOp.key), /job worker 0 pid 200/, 'a worker is named as such in a key\'s history')
 })
 
 t.test('checker (evidence): each planted defect is reported with its kind', async (t) => {
@@ -571,6 +615,10 @@ for (const client of PG_CLIENTS) {
       t.ok(report.stats.executions.boundaries[boundary] >= 1, `${boundary} crossed (${report.stats.executions.boundaries[boundary]} times)`)
     }
     t.same(report.boundariesMissing, [])
+    // The queue door ran, its jobs among the operations above (each answered, one effect each), and
+    // the summary printed its boundaries with what they required.
+    t.ok(report.queue !== null && report.queue.jobs >= 50, `the queue door ran ${report.queue?.jobs ?? 0} jobs`)
+    t.match(output, /queue boundaries crossed \(at least 1 each required\): jobs whose worker was killed mid-run/, 'the summary prints the queue boundaries')
   })
 }
 

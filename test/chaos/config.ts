@@ -2,6 +2,7 @@ import type { WorkloadSettings } from './clients.js'
 import { PG_CLIENTS, type PgClient } from './database.js'
 import { BOUNDARIES, BOUNDARY_SCENARIOS, type Boundary } from './executions.js'
 import { PLANTS, type Plant } from './plants.js'
+import type { QueueSettings } from './queue.js'
 import { SCENARIOS, type Scenario } from './scenario-routes.js'
 
 /**
@@ -13,13 +14,13 @@ import { SCENARIOS, type Scenario } from './scenario-routes.js'
  * postgres.js (the default) or a node-postgres Pool (database.ts).
  *
  * Full mode (the default) keeps faults coming for `duration` seconds (300), with at least 10,000
- * operations, every fault kind at least 10 times and every lease boundary crossed at least 50 times
- * (a shorter --duration scales them down); quick mode (CI) runs 30 s with every kind and every
- * boundary at least once.
+ * operations, every fault kind at least 10 times and every lease and queue boundary crossed at
+ * least 50 times (a shorter --duration scales them down); quick mode (CI) runs 30 s with every kind
+ * and every boundary at least once. Both run the queue door (queue.ts) beside the HTTP load.
  *
  * `--scenario=` is the targeted mode (the planted-bug tests): only the named lease-boundary
- * scenarios run, one operation every 500 ms, with no other operations and no faults, and only
- * their own boundaries must be crossed (at least once).
+ * scenarios run, one operation every 500 ms, with no other operations, no queue door and no
+ * faults, and only their own boundaries must be crossed (at least once).
  */
 export interface ChaosConfig {
   readonly mode: 'full' | 'quick'
@@ -31,8 +32,10 @@ export interface ChaosConfig {
   /** `both`: the first half on the standalone Redis, then a rolling restart onto the 3-master cluster. */
   readonly redis: 'standalone' | 'cluster' | 'both'
   readonly instances: number
-  /** Scheduled injections of each fault kind. */
+  /** Scheduled injections of each fault kind (but worker-kill). */
   readonly faultsPerKind: number
+  /** Scheduled worker-kill injections: each feeds the queue door's takeover boundary, so there are more of them. */
+  readonly workerKills: number
   /** Effective injections of each kind the run must reach, or it fails (a fault that never bit proves nothing). */
   readonly minEffectivePerKind: number
   readonly minOperations: number
@@ -41,6 +44,8 @@ export interface ChaosConfig {
   /** `--scenario=`: the targeted mode's scenarios; null in the full and quick modes (all of them, with faults). */
   readonly targeted: readonly Scenario[] | null
   readonly workload: WorkloadSettings
+  /** The queue door (queue.ts): job workers and an at-least-once queue; null in the targeted mode. */
+  readonly queue: QueueSettings | null
   readonly leaseMs: number
   readonly waitMs: number
   readonly storeTimeoutMs: number
@@ -81,16 +86,22 @@ export function parseArgs (argv: readonly string[]): ChaosConfig {
   const ratePerSecond = targeted !== null ? 0 : quick ? 20 : Math.min(60, Math.max(40, Math.ceil(12_000 / durationS)))
   // At 300 s, one scenario operation every 300 ms: about 90 of each scenario (180 of steps-partition
   // and of atomic-duplicate, twice a turn), for 50 crossings of each boundary with a margin.
-  const scenarioIntervalMs = targeted !== null ? 500 : quick ? 700 : 300
+  // A quick run shares its 30 s and two cores with the queue door's workers: one every 500 ms, so
+  // the rarest boundary (atomic-duplicate's lock wait that ends in a claim) is still crossed.
+  const scenarioIntervalMs = targeted !== null ? 500 : quick ? 500 : 300
   const scenarios = targeted ?? SCENARIOS
+  const queueDoor = targeted === null
   const minCrossings = Object.fromEntries(BOUNDARIES.map((boundary) => {
-    const reached = BOUNDARY_SCENARIOS[boundary].some((scenario) => scenarios.includes(scenario))
+    const reached = BOUNDARY_SCENARIOS[boundary].some((scenario) => scenario === 'queue' ? queueDoor : scenarios.includes(scenario))
     const min = !reached ? 0 : targeted !== null || quick ? 1 : Math.max(1, Math.round(50 * durationS / 300))
     return [boundary, min]
   })) as Record<Boundary, number>
   // A scheduled fault can miss (nothing in flight to kill, a probe cut by an overlapping restart):
   // more are scheduled than the minimum that must bite. At 300 s: 14 of each, 10 must bite.
   const faultsPerKind = quick ? 2 : Math.max(2, Math.round(durationS / 21))
+  // One worker kill every 6 s (50 at 300 s): each takes its jobs mid-run with it (two on average),
+  // and most of those are then taken over by a redelivery (50 required). A quick run has 5.
+  const workerKills = !queueDoor ? 0 : quick ? 5 : Math.max(2, Math.round(durationS / 6))
 
   return {
     mode: quick ? 'quick' : 'full',
@@ -100,6 +111,7 @@ export function parseArgs (argv: readonly string[]): ChaosConfig {
     redis,
     instances,
     faultsPerKind: targeted !== null ? 0 : faultsPerKind,
+    workerKills,
     minEffectivePerKind: targeted !== null ? 0 : quick ? 1 : Math.max(1, faultsPerKind - 4),
     // 10,000 in a full run of 300 s or more; 85% of what was scheduled in a shorter one.
     minOperations: targeted !== null ? 1 : quick ? 100 : Math.min(10_000, Math.floor(0.85 * ratePerSecond * durationS)),
@@ -119,6 +131,29 @@ export function parseArgs (argv: readonly string[]): ChaosConfig {
       scenarios,
       scenarioIntervalMs
     },
+    // At 300 s, 1,200 jobs: about 120 slow ones (redelivered while they run), 180 delivered to two
+    // workers at once (some meet a fault) and 120 delivered again after their acknowledgement, for 50 crossings of each
+    // queue boundary with a margin. Three workers, so that two are up for a duplicate while the
+    // third restarts after a kill; each runs 8 at once. The visibility timeout is longer than the
+    // lease, so a killed worker's key has lapsed when most of its redeliveries come.
+    queue: !queueDoor
+      ? null
+      : {
+          workers: 3,
+          ratePerSecond: 4,
+          concurrency: 8,
+          visibilityMs: 1_500,
+          leaseMs: 1_000,
+          waitMs: 400,
+          retryAfterMs: 250,
+          storeTimeoutMs: 2_000,
+          slowShare: 0.1,
+          slowDelayMs: [1_600, 2_400],
+          duplicateShare: 0.15,
+          lateDuplicateShare: 0.1,
+          reuseShare: 0.05,
+          scopes: ['acct-alpha', 'acct-beta']
+        },
     leaseMs: 2_000,
     waitMs: 250,
     storeTimeoutMs: 2_000,

@@ -1,5 +1,6 @@
 import type { ClaimLine, ExecStartLine, RequestLine, ResolveLine, StoreCallLine } from './evidence.js'
 import { recordId, type Attempt, type FaultEvent, type History, type Incarnation, type Intervention, type Operation } from './history.js'
+import { WORKER_INSTANCE_BASE } from './queue.js'
 import type { Scenario } from './scenario-routes.js'
 
 /**
@@ -31,12 +32,23 @@ export const BOUNDARIES = [
   /** An atomic claim's 1 ms lock wait timed out on a key no transaction of its instance held: tried again with the 100 ms bound. */
   'lock-timeout-tried-again',
   /** Of those, a second try that acquired the key: the lock was not a duplicate's (the table locked for a moment). */
-  'lock-timeout-not-a-duplicate'
+  'lock-timeout-not-a-duplicate',
+  /** The queue door: a job whose worker was killed mid-run (fn started), then taken over by a later run of its key. */
+  'job-taken-over-after-kill',
+  /** A job delivered again (its visibility timeout ended) while its original run still ran: OperationInProgressError or a replay after waiting. */
+  'job-redelivered-while-running',
+  /** A job delivered to two workers at once: the one that did not run got OperationInProgressError or a replay, while the other ran. */
+  'job-delivered-to-two-workers',
+  /** A delivery of a job that started after its value was recorded, answered with the recorded value (replayed). */
+  'job-replayed-after-completion'
 ] as const
 export type Boundary = typeof BOUNDARIES[number]
 
-/** The scenarios that cross each boundary: a run without them does not have to. */
-export const BOUNDARY_SCENARIOS: Readonly<Record<Boundary, readonly Scenario[]>> = {
+/** The boundaries of the queue door (queue.ts), which runs in the full and quick modes. */
+export const QUEUE_BOUNDARIES: readonly Boundary[] = ['job-taken-over-after-kill', 'job-redelivered-while-running', 'job-delivered-to-two-workers', 'job-replayed-after-completion']
+
+/** The scenarios (or the queue door) that cross each boundary: a run without them does not have to. */
+export const BOUNDARY_SCENARIOS: Readonly<Record<Boundary, ReadonlyArray<Scenario | 'queue'>>> = {
   'retry-while-abandoned-handler-ran': ['abandon'],
   'stream-outlived-lease': ['stream', 'stream-paused'],
   'handler-outlived-ttl': ['slow-ttl'],
@@ -45,7 +57,11 @@ export const BOUNDARY_SCENARIOS: Readonly<Record<Boundary, readonly Scenario[]>>
   'step-after-takeover': ['steps-force', 'steps-partition'],
   'lock-timeout-held-here': ['atomic-duplicate'],
   'lock-timeout-tried-again': ['atomic-duplicate'],
-  'lock-timeout-not-a-duplicate': ['atomic-duplicate']
+  'lock-timeout-not-a-duplicate': ['atomic-duplicate'],
+  'job-taken-over-after-kill': ['queue'],
+  'job-redelivered-while-running': ['queue'],
+  'job-delivered-to-two-workers': ['queue'],
+  'job-replayed-after-completion': ['queue']
 }
 
 export type ExecutionViolationKind =
@@ -287,6 +303,8 @@ export function checkExecutions (history: History, executions: readonly Executio
   const stallsOf = new Map<number, Array<{ t: number, end: number }>>()
   for (const line of history.evidence) if (line.ev === 'stall') push(stallsOf, line.pid, line)
   const boundaries = Object.fromEntries(BOUNDARIES.map((boundary) => [boundary, 0])) as Record<Boundary, number>
+  // Processes the harness killed (SIGKILL), by pid: a worker's run they ended was interrupted mid-job.
+  const killed = new Set(history.incarnations.filter((incarnation) => incarnation.end === 'killed').map((incarnation) => incarnation.pid))
   let stepsRefusedAfterFence = 0
   // The driver's own account of its lock waits (the atomic-duplicate scenario's boundaries): whether
   // either path ran the handler twice is for the rules below, which see every execution of the key.
@@ -427,6 +445,7 @@ export function checkExecutions (history: History, executions: readonly Executio
         if (attempts.some((attempt) => attempt.startedAt > claimedAt + b.ttlMs && attempt.startedAt < resolved)) boundaries['held-past-ttl']++
       }
     }
+    if (op?.door === 'queue') countQueueBoundaries(list, attempts, reconcilerCompleted, killed, boundaries)
   }
 
   return {
@@ -446,6 +465,33 @@ export function checkExecutions (history: History, executions: readonly Executio
       boundaries
     }
   }
+}
+
+/**
+ * The queue door's boundaries crossed by one job (its executions, in start order, and its
+ * deliveries): whether the store kept it to one run is for the rules above, which see every run.
+ */
+function countQueueBoundaries (runs: readonly Execution[], deliveries: readonly Attempt[], reconcilerCompleted: number, killed: ReadonlySet<number>, boundaries: Record<Boundary, number>): void {
+  const refused = (attempt: Attempt): boolean => attempt.outcome.kind === 'response' &&
+    (attempt.outcome.status === 409 || (attempt.outcome.replayed && attempt.outcome.status < 300))
+  for (const run of runs) {
+    // Killed mid-run (its fn had started, its key not settled), then a later run took the key over.
+    if (run.endedBy === 'died' && killed.has(run.pid) && runs.some((later) => later.start > run.end && later.takeover)) boundaries['job-taken-over-after-kill']++
+  }
+  for (const delivery of deliveries) {
+    if (delivery.delivery === 'visibility' && refused(delivery) &&
+        runs.some((run) => run.start < delivery.startedAt && run.end > delivery.startedAt)) {
+      boundaries['job-redelivered-while-running']++
+    }
+    if (delivery.delivery === 'duplicate' && refused(delivery) &&
+        runs.some((run) => run.instance !== delivery.instance && run.start <= delivery.endedAt && run.end >= delivery.startedAt)) {
+      boundaries['job-delivered-to-two-workers']++
+    }
+  }
+  // Recorded: a run's complete that returned true, or the reconciler's completion.
+  const recorded = Math.min(reconcilerCompleted, ...runs.filter((run) => run.settle?.ev === 'complete' && run.settle.ok === true).map((run) => run.settle!.end))
+  boundaries['job-replayed-after-completion'] += deliveries.filter((delivery) => delivery.startedAt > recorded &&
+    delivery.outcome.kind === 'response' && delivery.outcome.replayed && delivery.outcome.status < 300).length
 }
 
 /** Idle time an owner may have between two renewals: the plugin renews every third of the lease, plus timer lateness. */
@@ -529,7 +575,7 @@ export function evidenceHistory (history: History, executions: readonly Executio
   const events: Array<{ at: number, line: string }> = []
   for (const exec of executions) {
     if (recordId(exec.scope, exec.key) !== id) continue
-    const where = `instance ${exec.instance} pid ${exec.pid} ${exec.id.split('/')[1] ?? ''}`
+    const where = `${processName(exec.instance)} pid ${exec.pid} ${exec.id.split('/')[1] ?? ''}`
     if (exec.claim !== null) events.push({ at: exec.claim.t, line: `  ${fmt(exec.claim.t)} ${where}: claim ${exec.claim.takeover ? 'took over' : 'acquired'}${exec.transactional ? ' (transaction)' : ''}` })
     events.push({ at: exec.start, line: `  ${fmt(exec.start)} ${where}: execution starts (${exec.route}, lease ${exec.leaseMs} ms, ttl ${exec.ttlMs} ms); ended ${fmtEnd(exec)}` })
     const okRenewals = exec.renewals.filter((r) => r.ok === true)
@@ -564,7 +610,12 @@ export function evidenceHistory (history: History, executions: readonly Executio
 }
 
 function describe (exec: Execution): string {
-  return `execution ${exec.id} (instance ${exec.instance})`
+  return `execution ${exec.id} (${processName(exec.instance)})`
+}
+
+/** An evidence line's `instance`: an app instance, or a job worker (queue.ts). */
+export function processName (instance: number): string {
+  return instance >= WORKER_INSTANCE_BASE ? `job worker ${instance - WORKER_INSTANCE_BASE}` : `instance ${instance}`
 }
 
 function fmtEnd (exec: Execution): string {

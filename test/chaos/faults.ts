@@ -3,6 +3,7 @@ import type { FaultProxy } from '../helpers/fault-proxy.js'
 import type { FaultEvent } from './history.js'
 import { get } from './http.js'
 import type { AppInstance } from './instances.js'
+import type { JobWorker } from './queue.js'
 import type { Random } from './random.js'
 import { reachable, type RedisNode, type Services } from './services.js'
 import { sleep } from '../helpers/sleep.js'
@@ -25,7 +26,8 @@ export const FAULT_KINDS = [
   'db-blackhole', // the app→database proxy forwards nothing for a while (a partition)
   'clock-skew', // a running instance's wall clock jumps by minutes
   'client-drop-reply', // an instance's proxy drops replies: the work is done, the client never hears
-  'provider-drop-reply' // the app→provider proxy drops replies: the charge is made, the app never hears
+  'provider-drop-reply', // the app→provider proxy drops replies: the charge is made, the app never hears
+  'worker-kill' // SIGKILL of a job worker mid-job (a run past its claim), then a restart
 ] as const
 
 export type FaultKind = typeof FAULT_KINDS[number]
@@ -41,6 +43,9 @@ export interface FaultTargets {
   readonly redisTopology: () => 'standalone' | 'cluster'
   /** Starts a stopped instance again (with a fresh clock skew). */
   readonly restart: (instance: AppInstance) => Promise<void>
+  /** The queue door's workers (none in a targeted run). */
+  readonly workers: readonly JobWorker[]
+  readonly restartWorker: (worker: JobWorker) => Promise<void>
 }
 
 export interface ScheduledFault {
@@ -63,14 +68,15 @@ const GROUP: Record<FaultKind, string> = {
   'db-reset': 'database',
   'db-blackhole': 'database',
   'client-drop-reply': 'client-proxy',
-  'provider-drop-reply': 'provider-proxy'
+  'provider-drop-reply': 'provider-proxy',
+  'worker-kill': 'workers'
 }
 
-/** `count` of each kind at uniformly random times in [fromMs, toMs], in time order. */
-export function faultSchedule (random: Random, kinds: readonly FaultKind[], count: number, fromMs: number, toMs: number): ScheduledFault[] {
+/** `count` of each kind (or `counts[kind]`) at uniformly random times in [fromMs, toMs], in time order. */
+export function faultSchedule (random: Random, kinds: readonly FaultKind[], count: number, fromMs: number, toMs: number, counts: Partial<Record<FaultKind, number>> = {}): ScheduledFault[] {
   const schedule: ScheduledFault[] = []
   for (const kind of kinds) {
-    for (let i = 0; i < count; i++) schedule.push({ at: Math.round(random.between(fromMs, toMs)), kind })
+    for (let i = 0; i < (counts[kind] ?? count); i++) schedule.push({ at: Math.round(random.between(fromMs, toMs)), kind })
   }
   return schedule.sort((a, b) => a.at - b.at)
 }
@@ -128,6 +134,7 @@ export class FaultInjector {
       if (!await reachable(node.endpoint)) await this.withRetries(`start Redis ${node.address}`, () => node.start())
     }
     for (const instance of instances) if (!instance.running) await this.targets.restart(instance)
+    for (const worker of this.targets.workers) if (!worker.running) await this.targets.restartWorker(worker)
   }
 
   private async withRetries (what: string, fn: () => Promise<void>, attempts = 5): Promise<void> {
@@ -287,7 +294,28 @@ export class FaultInjector {
       return await this.dropReplies(instance.proxy, `instance ${instance.index}'s load-balancer proxy`, 3_000)
     },
 
-    'provider-drop-reply': async () => await this.dropReplies(this.targets.providerProxy, 'the provider proxy', 4_000)
+    'provider-drop-reply': async () => await this.dropReplies(this.targets.providerProxy, 'the provider proxy', 4_000),
+
+    'worker-kill': async () => {
+      // A worker with a run past its claim (fn started): its key stays taken until the lease lapses.
+      const workers = this.targets.workers.filter((worker) => worker.running)
+      if (workers.length === 0) return { effective: false, detail: 'no job worker running' }
+      const deadline = Date.now() + 2_000
+      let target: JobWorker | undefined
+      while (target === undefined) {
+        const busy = workers.filter((worker) => worker.running && worker.midJob > 0).sort((a, b) => b.midJob - a.midJob)
+        if (busy.length > 0) target = busy[0]
+        else if (Date.now() > deadline) target = this.random.pick(workers)
+        else await sleep(10)
+      }
+      const midJob = target.midJob
+      const inFlight = target.inFlight
+      await target.kill()
+      const downMs = this.random.int(200, 1_500)
+      await sleep(downMs)
+      await this.targets.restartWorker(target)
+      return { effective: midJob > 0, detail: `job worker ${target.index} killed with ${midJob} job(s) mid-run (${inFlight} delivered), back after ${downMs} ms` }
+    }
   }
 
   /** Half of the replies dropped until at least one was (or `limitMs` passed). */

@@ -23,6 +23,8 @@ export interface Operation {
   readonly reuseAmount: number | null
   /** A lease-boundary situation (scenario-routes.ts), or null for the ordinary payments. */
   readonly scenario: Scenario | null
+  /** queue: a job run by the workers through the job runner (queue.ts); absent: an HTTP operation. */
+  readonly door?: 'http' | 'queue'
 }
 
 /** How one HTTP attempt ended. */
@@ -41,7 +43,17 @@ export interface Attempt {
   readonly startedAt: number
   readonly endedAt: number
   readonly outcome: AttemptOutcome
+  /** A job's delivery (queue.ts): why the queue delivered it; `instance` is then the worker's. */
+  readonly delivery?: DeliveryReason
 }
+
+/**
+ * Why the queue delivered a job: its first delivery; again once its visibility timeout ended
+ * without an answer (its worker died, or the job still ran); again after an answer that was not
+ * definite (retry); to two workers at the same moment (duplicate, both deliveries); once more after
+ * its acknowledgement (late).
+ */
+export type DeliveryReason = 'first' | 'visibility' | 'retry' | 'duplicate' | 'late'
 
 /** An executed effect, as found after the run in the ledger table or the provider's log. */
 export interface Effect {

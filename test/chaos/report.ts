@@ -1,9 +1,10 @@
 import type { CheckResult, Violation } from './checker.js'
 import type { ChaosConfig } from './config.js'
 import { formatDeaths } from './deaths.js'
-import { BOUNDARIES, type Boundary } from './executions.js'
+import { BOUNDARIES, QUEUE_BOUNDARIES, type Boundary } from './executions.js'
 import { FAULT_KINDS, type FaultKind } from './faults.js'
 import type { Crash, FaultEvent } from './history.js'
+import type { QueueStats } from './queue.js'
 import type { ReconcilerStats } from './reconciler.js'
 
 /** The run's outcome as the runner prints it and writes it to `--report` (JSON) for the test. */
@@ -38,6 +39,8 @@ export interface ChaosReport {
   readonly boundariesMissing: readonly Boundary[]
   /** Operations of each lease-boundary scenario. */
   readonly scenarioOperations: Readonly<Record<string, number>>
+  /** The queue door's jobs and deliveries by reason; null when it did not run (targeted mode). */
+  readonly queue: QueueStats | null
   /** `--scenario=`: the targeted run's scenarios (no faults, no other operations). */
   readonly targeted: ChaosConfig['targeted']
   readonly plant: ChaosConfig['plant']
@@ -71,7 +74,11 @@ const BOUNDARY_LABELS: Readonly<Record<Boundary, string>> = {
   'step-after-takeover': 'steps attempted after a takeover or force release',
   'lock-timeout-held-here': 'atomic claims timed out on a key their own instance held (409 at once)',
   'lock-timeout-tried-again': 'atomic claims timed out at 1 ms and tried again with 100 ms',
-  'lock-timeout-not-a-duplicate': 'of those, claims that then ran (the lock was the table\'s, not a duplicate\'s)'
+  'lock-timeout-not-a-duplicate': 'of those, claims that then ran (the lock was the table\'s, not a duplicate\'s)',
+  'job-taken-over-after-kill': 'jobs whose worker was killed mid-run, then taken over by a redelivery',
+  'job-redelivered-while-running': 'redeliveries while the original still ran (OperationInProgressError or a waited replay)',
+  'job-delivered-to-two-workers': 'deliveries to two workers at once (one ran, the other got OperationInProgressError or the replay)',
+  'job-replayed-after-completion': 'deliveries after completion answered with the recorded value'
 }
 
 export function formatSummary (report: ChaosReport): string {
@@ -84,8 +91,11 @@ export function formatSummary (report: ChaosReport): string {
   const r = e.reexecutions
   const scenarios = Object.entries(report.scenarioOperations).map(([name, count]) => `${name} ${n(count)}`).join(', ')
   const minimum = Math.max(...BOUNDARIES.map((boundary) => report.minCrossings[boundary]))
-  const crossed = BOUNDARIES.filter((boundary) => report.minCrossings[boundary] > 0 || e.boundaries[boundary] > 0)
+  const crossed = BOUNDARIES.filter((boundary) => !QUEUE_BOUNDARIES.includes(boundary) && (report.minCrossings[boundary] > 0 || e.boundaries[boundary] > 0))
     .map((boundary) => `${BOUNDARY_LABELS[boundary]} ${n(e.boundaries[boundary])}`).join(', ')
+  const queueCrossed = QUEUE_BOUNDARIES.map((boundary) => `${BOUNDARY_LABELS[boundary]} ${n(e.boundaries[boundary])}`).join(', ')
+  const queueMinimum = Math.max(...QUEUE_BOUNDARIES.map((boundary) => report.minCrossings[boundary]))
+  const q = report.queue
   const what = report.targeted === null
     ? `${report.durationS} s of faults`
     : `targeted (${report.targeted.join(', ')}): ${report.durationS} s, no faults`
@@ -103,6 +113,12 @@ export function formatSummary (report: ChaosReport): string {
     `lease-boundary scenarios (lease 300 ms, ttl 1 s where short): ${scenarios === '' ? 'none' : scenarios}; ${n(report.interventions)} force releases, partitions and table locks`,
     `executions (from the instances' evidence logs): ${n(e.executions)}; takeovers ${n(e.takeovers)}; re-executions allowed: ${n(r['after-release'])} after a release, ${n(r['after-retention'])} after the retention, ${n(r['resumed-by-reconciler'])} resumed by the reconciler, ${n(r['after-dead-owner'])} after a dead owner, ${n(r['after-hold'])} after a hold (resolved or not: see execution-while-held), ${n(r['after-lapsed-owner'])} after an owner that finished without settling, ${n(r['force-released'])} after a force release, ${n(r['cut-from-db'])} while the owner was cut from the database, ${n(r['store-too-slow'])} while the owner's renewals took longer than its lease, ${n(r['owner-stalled'])} while the owner's process was frozen`,
     `lease boundaries crossed${minimum > 0 ? ` (at least ${n(minimum)} each required)` : ''}: ${crossed === '' ? 'none' : crossed}`,
+    ...q === null
+      ? []
+      : [
+          `queue door (${q.workers} job workers, idempotencyRunner, at-least-once delivery with a visibility timeout): ${n(q.jobs)} jobs, ${n(Object.values(q.deliveries).reduce((sum, count) => sum + count, 0))} deliveries: ${n(q.deliveries.first)} first, ${n(q.deliveries.visibility)} after a visibility timeout, ${n(q.deliveries.retry)} after a refusal or failure, ${n(q.deliveries.duplicate)} to two workers at once, ${n(q.deliveries.late)} after the acknowledgement`,
+          `queue boundaries crossed${queueMinimum > 0 ? ` (at least ${n(queueMinimum)} each required)` : ''}: ${queueCrossed}`
+        ],
     `atomic claims tried again after a 1 ms lock wait timed out, by what the second try answered: ${n(e.secondTries.completed)} the recorded response (the original committed within 100 ms), ${n(e.secondTries.in_progress)} 409 (still in flight), ${n(e.secondTries.acquired)} acquired (the lock was not a duplicate's), ${n(e.secondTries.error)} failed${e.secondTries.unmatched > 0 ? `, ${n(e.secondTries.unmatched)} without their claim in the log` : ''}`,
     `also: ${n(e.clientDisconnects)} client disconnects seen by a running owner, ${n(e.handlersOutlivingLease)} handlers slower than their lease, ${n(e.holds)} keys held for the reconciler, ${n(e.forceReleases)} force releases, ${n(e.partitions)} partitions of one instance, ${n(e.stepsRefused)} steps refused with LeaseLostError (${n(e.stepsRefusedAfterFence)} after their fn ran on a proven key: the store answered the owner after its lease)`
   ]

@@ -4,13 +4,14 @@
  * [--client=postgres|pg]`.
  *
  * Starts a private PostgreSQL, Redis and 3-master Redis Cluster, the fake provider, the reconciler
- * worker and N instances of the payments app behind fault proxies (system.ts); drives operations at
- * them, and the lease-boundary scenarios (scenarios.ts), while injecting faults (clients.ts,
- * faults.ts); stops the faults and drains (retries every unanswered operation); then reads the
+ * worker, N instances of the payments app behind fault proxies and three job workers (system.ts);
+ * drives operations at them, the lease-boundary scenarios (scenarios.ts) and jobs through an
+ * at-least-once queue (queue.ts), while injecting faults (clients.ts, faults.ts); stops the faults
+ * and drains (retries every unanswered operation, delivers every unacknowledged job); then reads the
  * evidence logs and checks the history (checker.ts, executions.ts) and prints a summary. Exit
  * status: 0 when there is no violation, every fault kind bit often enough and every lease boundary
  * was crossed often enough, 1 on a violation (the key's history is printed) or a process death
- * (an app or reconciler that died without being killed, on either client), 2 when the harness
+ * (an app, job worker or reconciler that died without being killed, on either client), 2 when the harness
  * itself failed, a fault kind was not injected enough, a boundary not crossed enough or too few
  * operations ran.
  */
@@ -27,6 +28,7 @@ import { clientVersion } from './database.js'
 import { FAULT_KINDS, FaultInjector, faultSchedule } from './faults.js'
 import { recordId, type History } from './history.js'
 import { killAll } from './processes.js'
+import { JobQueue } from './queue.js'
 import { seededRandom } from './random.js'
 import { faultCounts, formatSummary, type ChaosReport } from './report.js'
 import { startPrivateServices, type Services } from './services.js'
@@ -91,7 +93,9 @@ async function main (config: ChaosConfig): Promise<number> {
     instances: system.instances,
     probe: system.probe,
     redisTopology: () => system.topology,
-    restart: system.restart
+    restart: system.restart,
+    workers: system.workers,
+    restartWorker: system.restartWorker
   }, random.fork('injections'), now)
   // The operator's tool, on the harness's own connection (never faulted): the same statement as in production.
   const operator = postgresStore({ sql: services.postgres.sql, purgeInterval: 0 })
@@ -113,31 +117,34 @@ async function main (config: ChaosConfig): Promise<number> {
       return record === null || record.state !== 'in_progress' ? null : Object.keys(record.steps)
     }
   })
-  await load(config, system, faults, workload, now)
+  // Job ids apart from the HTTP operations' (the checker keys attempts by operation id).
+  const queue = config.queue === null ? null : new JobQueue(system.workers, config.queue, random.fork('jobs'), random.fork('deliveries'), now, 1_000_000)
+  await load(config, system, faults, workload, queue, now)
 
-  log(`healing, then draining ${workload.unanswered} unanswered operation(s)`)
+  log(`healing, then draining ${workload.unanswered} unanswered operation(s)${queue === null ? '' : ` and ${queue.unfinished} unacknowledged job(s)`}`)
   await faults.heal()
   // No fault is coming: whatever is left in progress once its lease ended is stuck.
   system.reconciler.setOlderThan(0)
-  await workload.drain(now() + config.drainS * 1000)
+  const drainUntil = now() + config.drainS * 1000
+  await Promise.all([workload.drain(drainUntil), queue?.drain(drainUntil)])
   // Leases of owners that died or lost their store run out, and the reconciler passes once more.
   await sleep(config.leaseMs + 2_500)
   await system.reconciler.stop()
-  const settled = await settleInProgress(system, workload, config, now)
+  const settled = await settleInProgress(system, workload, queue, config, now)
 
   const records = await services.postgres.query((sql) => storedRecords(sql))
   const ledger = await services.postgres.query((sql) => ledgerEffects(sql))
   await system.stopProvider()
   const charges = await providerLog(system.providerLogFile)
   const history: History = {
-    operations: workload.operations,
-    attempts: workload.attempts,
+    operations: [...workload.operations, ...queue?.operations ?? []],
+    attempts: [...workload.attempts, ...queue?.attempts ?? []],
     effects: [...ledger, ...charges.effects],
     records,
     faults: faults.events,
     crashes: system.crashes,
     evidence: await readEvidence(system.evidenceFiles(), t0),
-    incarnations: system.instances.flatMap((instance) => instance.incarnations),
+    incarnations: [...system.instances, ...system.workers].flatMap((process) => process.incarnations),
     interventions: workload.interventions
   }
   const result = check(history)
@@ -171,6 +178,7 @@ async function main (config: ChaosConfig): Promise<number> {
     minCrossings: config.minCrossings,
     boundariesMissing,
     scenarioOperations: scenarioCounts(workload),
+    queue: queue?.stats ?? null,
     targeted: config.targeted,
     plant: config.plant,
     interventions: workload.interventions.length,
@@ -189,13 +197,13 @@ async function main (config: ChaosConfig): Promise<number> {
 }
 
 /** Operations at the configured rate and faults on their schedule for `durationS`; halfway, the rollover to the cluster. */
-async function load (config: ChaosConfig, system: ChaosSystem, faults: FaultInjector, workload: Workload, now: () => number): Promise<void> {
+async function load (config: ChaosConfig, system: ChaosSystem, faults: FaultInjector, workload: Workload, queue: JobQueue | null, now: () => number): Promise<void> {
   const loadStart = now()
   const loadEnd = loadStart + config.durationS * 1000
   const quietMs = config.mode === 'quick' ? 3_000 : 8_000
-  const schedule = faultSchedule(seededRandom(config.seed).fork('schedule'), FAULT_KINDS, config.faultsPerKind, loadStart + 2_000, loadEnd - quietMs)
+  const schedule = faultSchedule(seededRandom(config.seed).fork('schedule'), FAULT_KINDS, config.faultsPerKind, loadStart + 2_000, loadEnd - quietMs, { 'worker-kill': config.workerKills })
   const progress = setInterval(() => {
-    log(`${((now() - loadStart) / 1000).toFixed(0)} s: ${workload.operations.length} operations, ${workload.attempts.length} attempts, ${faults.events.length} faults`)
+    log(`${((now() - loadStart) / 1000).toFixed(0)} s: ${workload.operations.length} operations, ${workload.attempts.length} attempts, ${queue === null ? '' : `${queue.operations.length} jobs, ${queue.attempts.length} deliveries, `}${faults.events.length} faults`)
   }, config.mode === 'quick' ? 10_000 : 30_000)
   const rollover = config.redis !== 'both'
     ? Promise.resolve()
@@ -203,7 +211,7 @@ async function load (config: ChaosConfig, system: ChaosSystem, faults: FaultInje
       await system.rollOverToCluster()
       log('rolled every instance over to the Redis Cluster')
     }))
-  await Promise.all([workload.runLoad(loadEnd), faults.run(schedule, loadEnd), rollover])
+  await Promise.all([workload.runLoad(loadEnd), queue?.runLoad(loadEnd), faults.run(schedule, loadEnd), rollover])
   clearInterval(progress)
   log(`load over after ${((now() - loadStart) / 1000).toFixed(1)} s`)
 }
@@ -214,14 +222,17 @@ async function load (config: ChaosConfig, system: ChaosSystem, faults: FaultInje
  * takes such a key over once its lease lapsed; the drain sends that retry. Returns how many keys
  * needed it.
  */
-async function settleInProgress (system: ChaosSystem, workload: Workload, config: ChaosConfig, now: () => number): Promise<number> {
+async function settleInProgress (system: ChaosSystem, workload: Workload, queue: JobQueue | null, config: ChaosConfig, now: () => number): Promise<number> {
   const stuck = (await system.services.postgres.query((sql) => storedRecords(sql))).filter((record) => record.state !== 'completed')
   if (stuck.length === 0) return 0
   const ids = new Set(stuck.map((record) => recordId(record.scope, record.key)))
   const ops = workload.operations.filter((op) => ids.has(recordId(op.scope, op.key)))
+  // A job's key is retried through its own door: delivered again, as after a lost acknowledgement.
+  const jobs = queue?.operations.filter((op) => ids.has(recordId(op.scope, op.key))) ?? []
   log(`${stuck.length} record(s) still in progress after the drain; retrying their operations`)
-  await workload.settle(ops, now() + config.drainS * 1000)
-  return ops.length
+  const until = now() + config.drainS * 1000
+  await Promise.all([workload.settle(ops, until), queue?.settle(jobs, until)])
+  return ops.length + jobs.length
 }
 
 function scenarioCounts (workload: Workload): ChaosReport['scenarioOperations'] {

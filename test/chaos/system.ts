@@ -9,6 +9,7 @@ import type { ChaosConfig } from './config.js'
 import type { Crash } from './history.js'
 import { AppInstance } from './instances.js'
 import { killChild, startChild, type Started } from './processes.js'
+import { JobWorker } from './queue.js'
 import type { Random } from './random.js'
 import { ReconcilerHandle } from './reconciler-handle.js'
 import type { Services } from './services.js'
@@ -21,6 +22,7 @@ import { sleep } from '../helpers/sleep.js'
  *                                               │  └──────────→ Redis (standalone, later the cluster)
  *                                               └→ [provider fault proxy] → fake provider
  *   reconciler worker → [database fault proxy] → PostgreSQL
+ *   harness's job queue → job workers ×3 → [database fault proxy] → PostgreSQL; → [provider fault proxy]
  *
  * Database faults act on the shared database proxy (every instance and the reconciler see them);
  * a scenario cuts one instance off at its own partition proxy.
@@ -38,6 +40,8 @@ export interface ChaosSystem {
   readonly dbProxy: FaultProxy
   readonly providerProxy: FaultProxy
   readonly instances: readonly AppInstance[]
+  /** The queue door's job workers (none in a targeted run). */
+  readonly workers: readonly JobWorker[]
   /** A client of the harness through the database proxy, to observe what the apps see. */
   readonly probe: postgres.Sql
   readonly reconciler: ReconcilerHandle
@@ -46,6 +50,8 @@ export interface ChaosSystem {
   readonly topology: 'standalone' | 'cluster'
   /** Starts a stopped instance again, with a fresh clock skew. */
   restart (instance: AppInstance): Promise<void>
+  /** Starts a stopped job worker again, with a fresh clock skew. */
+  restartWorker (worker: JobWorker): Promise<void>
   /** A rolling deploy onto the Redis Cluster: one instance at a time, in-flight requests finish first. */
   rollOverToCluster (): Promise<void>
   /** Stops the provider (its log is then complete). */
@@ -123,19 +129,50 @@ export async function startSystem (config: ChaosConfig, random: Random, now: () 
     AppInstance.create(i, environment, redisOf(topology), random.fork(`lb-proxy-${i}`))))
   await Promise.all(instances.map((instance) => restart(instance)))
 
+  // The queue door's workers: through the database proxy (the database faults reach them), without
+  // an instance's partition proxy, and on the provider proxy, as the apps.
+  const restartWorker = async (worker: JobWorker): Promise<void> => {
+    for (let attempt = 1; ; attempt++) {
+      try {
+        return await worker.start(skew())
+      } catch (err) {
+        if (attempt >= 3) throw err
+        await sleep(500)
+      }
+    }
+  }
+  const queue = config.queue
+  const workers = queue === null
+    ? []
+    : Array.from({ length: queue.workers }, (_, i) => new JobWorker(i, {
+      databaseUrl: proxiedUrl.href,
+      client: config.client,
+      providerPort: providerProxy.port,
+      settings: queue,
+      logDir: workDir,
+      now,
+      onCrash: (worker: JobWorker, crash: Omit<Crash, 'at'>) => {
+        recordCrash(crash)
+        setTimeout(() => { if (!finishing) restartWorker(worker).catch(() => {}) }, 300)
+      }
+    }))
+  await Promise.all(workers.map((worker) => restartWorker(worker)))
+
   return {
     services,
     workDir,
     providerLogFile,
-    evidenceFiles: () => [reconcilerEvidence, ...instances.map((instance) => path.join(workDir, `evidence-${instance.index}.jsonl`))],
+    evidenceFiles: () => [reconcilerEvidence, ...instances.map((instance) => path.join(workDir, `evidence-${instance.index}.jsonl`)), ...workers.map((worker) => worker.evidenceFile)],
     dbProxy,
     providerProxy,
     instances,
+    workers,
     probe,
     reconciler,
     crashes,
     get topology () { return topology },
     restart,
+    restartWorker,
     async rollOverToCluster () {
       for (const instance of instances) {
         await instance.shutdown()
@@ -150,7 +187,7 @@ export async function startSystem (config: ChaosConfig, random: Random, now: () 
     async stop (removeWorkDir: boolean) {
       finishing = true
       await reconciler.stop()
-      await Promise.all(instances.map((instance) => instance.kill()))
+      await Promise.all([...instances, ...workers].map((process) => process.kill()))
       await killChild(provider.child)
       await Promise.all([dbProxy, providerProxy, ...instances.flatMap((instance) => [instance.proxy, instance.dbProxy])].map((proxy) => proxy.close()))
       await probe.end({ timeout: 1 })
