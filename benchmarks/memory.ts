@@ -59,7 +59,9 @@ const halfway = await fullGc()
 await fill(half, RECORDS)
 const after = await fullGc()
 // What one more record costs, without the fixed costs a fill pays early (the young generation growing, the allocator's first arenas).
-const marginal = (after.rss - halfway.rss) / (RECORDS - half)
+// RSS can also shrink between two samples (the allocator returning arenas, a loaded machine's GC
+// timing): the second half then says nothing, and the whole fill's cost per record stands for it.
+const marginal = after.rss > halfway.rss ? (after.rss - halfway.rss) / (RECORDS - half) : Math.max(0, (after.rss - before.rss) / (RECORDS - 1))
 const rssFor1M = RECORDS === FULL_RECORDS ? after.rss : after.rss + marginal * (FULL_RECORDS - RECORDS)
 const fillFigures = {
   records: RECORDS,

@@ -1,5 +1,4 @@
 import { randomBytes } from 'node:crypto'
-import { createServer } from 'node:net'
 import Fastify from 'fastify'
 import postgres from 'postgres'
 import t from 'tap'
@@ -11,6 +10,7 @@ import { postgresStore, type PostgresStore } from '../../drivers/postgres/index.
 import { CLIENT_NAME, endPools, exec, storeConnection } from '../helpers/postgres-clients.js'
 import { postgresSchema } from '../helpers/postgres-schema.js'
 import { sleep } from '../helpers/sleep.js'
+import { closedPort } from '../helpers/closed-port.js'
 
 /**
  * The job runner on its own, without a queue: `idempotencyRunner({ store }).run(options, fn)` on the
@@ -39,16 +39,6 @@ function deferred<T = void> (): Deferred<T> {
 }
 const newKey = (label: string): string => `${label}-${randomBytes(6).toString('hex')}`
 const rejection = async (promise: Promise<unknown>): Promise<unknown> => await promise.then(() => null, (err: unknown) => err)
-
-/** A port nothing listens on: one the system handed out, closed again. */
-async function closedPort (): Promise<number> {
-  const server = createServer()
-  await new Promise<void>((resolve) => server.listen(0, '127.0.0.1', resolve))
-  const address = server.address()
-  await new Promise<void>((resolve) => server.close(() => resolve()))
-  if (typeof address !== 'object' || address === null) throw new Error('no port')
-  return address.port
-}
 
 const memory = memoryStore()
 t.teardown(() => memory.close())

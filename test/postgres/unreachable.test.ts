@@ -1,26 +1,16 @@
-import { createServer } from 'node:net'
 import Fastify from 'fastify'
 import pg from 'pg'
 import postgres from 'postgres'
 import t from 'tap'
 import idempotency from '../../lib/index.js'
 import { postgresStore, type PostgresStore } from '../../drivers/postgres/index.js'
+import { closedPort } from '../helpers/closed-port.js'
 
 /**
  * A database that refuses connections, on either client and in either mode: the plugin answers the
  * store-unavailable problem (503) and the handler never runs, since the key could not be checked.
  * Options that are not an object are refused when the store is made, before any connection.
  */
-
-/** A port nothing listens on: one the system handed out, closed again. */
-async function closedPort (): Promise<number> {
-  const server = createServer()
-  await new Promise<void>((resolve) => server.listen(0, '127.0.0.1', resolve))
-  const address = server.address()
-  await new Promise<void>((resolve) => server.close(() => resolve()))
-  if (typeof address !== 'object' || address === null) throw new Error('no port')
-  return address.port
-}
 
 t.test('store options that are not an object are refused by name', async (t) => {
   for (const options of [null, 'postgres://localhost/db']) {

@@ -1,6 +1,5 @@
 import { createHmac, randomBytes } from 'node:crypto'
 import { mkdtempSync, rmSync, writeFileSync } from 'node:fs'
-import { createServer } from 'node:net'
 import path from 'node:path'
 import { pathToFileURL } from 'node:url'
 import Fastify, { type FastifyInstance, type FastifyPluginAsync, type FastifyRequest, type LightMyRequestResponse } from 'fastify'
@@ -16,6 +15,7 @@ import { codeBlocks, ROOT } from '../helpers/markdown.js'
 import { postgresSchema } from '../helpers/postgres-schema.js'
 import { sleep } from '../helpers/sleep.js'
 import { countingStore, type CountingStore } from './counting-store.js'
+import { closedPort } from '../helpers/closed-port.js'
 
 /**
  * The webhook recipes of docs/webhooks.md (Stripe, Standard Webhooks, GitHub) and its 422 alert,
@@ -145,16 +145,6 @@ interface World {
   effects (id: string): Promise<number>
   /** The states of the store's records of `id` (PostgreSQL only; null on the memory store). */
   records (id: string): Promise<string[] | null>
-}
-
-/** A port nothing listens on: one the system handed out, closed again. */
-async function closedPort (): Promise<number> {
-  const server = createServer()
-  await new Promise<void>((resolve) => server.listen(0, '127.0.0.1', resolve))
-  const address = server.address()
-  await new Promise<void>((resolve) => server.close(() => resolve()))
-  if (typeof address !== 'object' || address === null) throw new Error('no port')
-  return address.port
 }
 
 function memoryWorld (): World {
