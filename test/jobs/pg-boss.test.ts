@@ -139,14 +139,20 @@ function suite (url: string): void {
     })
     try {
       const ids = await Promise.all([send({ orderId, amount: 300 }), send({ orderId, amount: 300 })])
+      // Both jobs active at once, while the first holds its claim uncommitted behind the blocker: the
+      // second is then inside run(), waiting for the first (on its lock, or between two looks at it).
+      // Sampling the lock waits themselves would miss a duplicate that is between two looks.
       const deadline = Date.now() + 4_000 // under the recipe's wait (5 s)
-      let waiting = 0
+      let active = 0
       while (Date.now() < deadline) {
-        waiting = Number((await admin`SELECT count(*)::int AS n FROM pg_stat_activity WHERE application_name = ${appName} AND wait_event_type = 'Lock'`)[0]?.n)
-        if (waiting >= 2) break
+        const states = await Promise.all(ids.map(async (jobId) => (await boss.getJobById<InvoiceJob>(recipe.QUEUE, jobId))?.state))
+        active = states.filter((state) => state === 'active').length
+        if (active === 2) break
         await sleep(25)
       }
-      t.equal(waiting, 2, 'both deliveries were in flight at once, each waiting on a lock')
+      t.equal(active, 2, 'both deliveries were in flight at once')
+      const locked = Number((await admin`SELECT count(*)::int AS n FROM pg_stat_activity WHERE application_name = ${appName} AND wait_event_type = 'Lock'`)[0]?.n)
+      t.ok(locked >= 1, `the first waits on the order's row with its claim open (${locked} waiting on a lock)`)
       release()
       await holding
       const outcomes = await Promise.all(ids.map(async (jobId) => resultsOf(await job(jobId, ['completed']))[0]))
