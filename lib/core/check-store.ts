@@ -1,4 +1,5 @@
 import { InvalidOptionError } from './errors.js'
+import { missingMethods } from './validate.js'
 import type { IdempotencyPrefilter } from './prefilter.js'
 import type { IdempotencyStore } from './store.js'
 
@@ -9,9 +10,7 @@ const PREFILTER_METHODS = ['lookup', 'markInFlight', 'clearInFlight', 'remember'
 
 /** `option` names it in the error: the plugin's `option "store"`, a runner's own. */
 export function checkStore (store: IdempotencyStore, option = 'option "store"'): void {
-  const missing = typeof store === 'object' && store !== null
-    ? STORE_METHODS.filter((method) => typeof (store as unknown as Record<string, unknown>)[method] !== 'function')
-    : [...STORE_METHODS]
+  const missing = missingMethods(store, STORE_METHODS)
   if (missing.length > 0) {
     throw new InvalidOptionError(option, `an IdempotencyStore (missing ${missing.join(', ')})`, store)
   }
@@ -28,9 +27,7 @@ export function checkTransactions (store: IdempotencyStore | undefined, option: 
 }
 
 export function checkPrefilter (prefilter: IdempotencyPrefilter, option = 'option "prefilter"'): void {
-  const missing = typeof prefilter === 'object' && prefilter !== null
-    ? PREFILTER_METHODS.filter((method) => typeof (prefilter as unknown as Record<string, unknown>)[method] !== 'function')
-    : [...PREFILTER_METHODS]
+  const missing = missingMethods(prefilter, PREFILTER_METHODS)
   if (missing.length > 0) {
     throw new InvalidOptionError(option, `an IdempotencyPrefilter (missing ${missing.join(', ')})`, prefilter)
   }

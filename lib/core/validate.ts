@@ -28,3 +28,9 @@ export function booleanOption (name: string, value: unknown, fallback: boolean):
   if (typeof value !== 'boolean') throw new InvalidOptionError(name, 'true or false', value)
   return value
 }
+
+/** Which of `methods` `value` lacks (all of them when it is not an object): what an interface option is checked by. */
+export function missingMethods (value: unknown, methods: readonly string[]): string[] {
+  if (typeof value !== 'object' || value === null) return [...methods]
+  return methods.filter((method) => typeof (value as Record<string, unknown>)[method] !== 'function')
+}

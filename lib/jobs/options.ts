@@ -4,7 +4,7 @@ import type { Logger, MeterLike } from '../core/observe.js'
 import type { IdempotencyPrefilter } from '../core/prefilter.js'
 import type { CoreSettings } from '../core/settings.js'
 import type { IdempotencyStore } from '../core/store.js'
-import { booleanOption, integerOption, MAX_TIMER_MS } from '../core/validate.js'
+import { booleanOption, integerOption, MAX_TIMER_MS, missingMethods } from '../core/validate.js'
 
 /** What every run of a job runner shares (`idempotencyRunner(options)`); a run may override the timing. */
 export interface RunnerOptions {
@@ -100,9 +100,7 @@ const SILENT: Logger = { debug () {}, info () {}, warn () {}, error () {}, isLev
 const LOG_METHODS = ['debug', 'info', 'warn', 'error'] as const
 
 function logger (name: string, value: unknown): Logger {
-  const missing = typeof value === 'object' && value !== null
-    ? LOG_METHODS.filter((method) => typeof (value as Record<string, unknown>)[method] !== 'function')
-    : [...LOG_METHODS]
+  const missing = missingMethods(value, LOG_METHODS)
   if (missing.length > 0) throw new InvalidOptionError(name, `a logger with ${LOG_METHODS.join(', ')} (a pino logger fits; missing ${missing.join(', ')})`, value)
   return value as Logger
 }
