@@ -144,14 +144,15 @@ function suite (url: string): void {
       // Sampling the lock waits themselves would miss a duplicate that is between two looks.
       const deadline = Date.now() + 4_000 // under the recipe's wait (5 s)
       let active = 0
+      let locked = 0
       while (Date.now() < deadline) {
         const states = await Promise.all(ids.map(async (jobId) => (await boss.getJobById<InvoiceJob>(recipe.QUEUE, jobId))?.state))
         active = states.filter((state) => state === 'active').length
-        if (active === 2) break
+        locked = Number((await admin`SELECT count(*)::int AS n FROM pg_stat_activity WHERE application_name = ${appName} AND wait_event_type = 'Lock'`)[0]?.n)
+        if (active === 2 && locked >= 1) break
         await sleep(25)
       }
       t.equal(active, 2, 'both deliveries were in flight at once')
-      const locked = Number((await admin`SELECT count(*)::int AS n FROM pg_stat_activity WHERE application_name = ${appName} AND wait_event_type = 'Lock'`)[0]?.n)
       t.ok(locked >= 1, `the first waits on the order's row with its claim open (${locked} waiting on a lock)`)
       release()
       await holding
