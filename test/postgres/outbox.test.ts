@@ -39,9 +39,13 @@ function suite (url: string): void {
     post: (key: string, url?: string) => Promise<{ statusCode: number, body: string }>
     outboxRows: () => Promise<Array<{ key: string, name: string, delivered_at: Date | null, attempts: number, last_error: string | null }>>
     until: (what: string, check: () => boolean) => Promise<void>
+    /** Milliseconds until each undelivered message is due, by name. */
+    dueIn: () => Promise<Record<string, number>>
+    /** Makes every undelivered message due now, as if its backoff had passed. */
+    makeDue: () => Promise<void>
   }
 
-  async function world (t: Test, route: RouteIdempotencyOptions, options: Partial<PostgresStoreOptions> = {}): Promise<World> {
+  async function world (t: Test, route: RouteIdempotencyOptions, options: Partial<PostgresStoreOptions> = {}, retryDelay = 50): Promise<World> {
     const table = `records_${++tables}`
     const w = { delivered: [] as OutboxMessage[], failNext: 0 } as World
     const store = postgresStore({
@@ -50,7 +54,7 @@ function suite (url: string): void {
       table,
       purgeInterval: 0,
       outbox: {
-        retryDelay: 50,
+        retryDelay,
         visibility: 200,
         deliver (message) {
           if (w.failNext > 0) { w.failNext--; throw new Error('broker unavailable') }
@@ -91,6 +95,15 @@ function suite (url: string): void {
       return { statusCode: response.statusCode, body: response.body }
     }
     w.outboxRows = async () => await sql`SELECT key, name, delivered_at, attempts, last_error FROM ${sql(schema)}.${sql(`${table}_outbox`)} ORDER BY key, name`
+    w.dueIn = async () => {
+      const rows = await sql<Array<{ name: string, ms: number }>>`
+        SELECT name, (extract(epoch FROM next_attempt_at - now()) * 1000)::float8 AS ms
+        FROM ${sql(schema)}.${sql(`${table}_outbox`)} WHERE delivered_at IS NULL`
+      return Object.fromEntries(rows.map((row) => [row.name, row.ms]))
+    }
+    w.makeDue = async () => {
+      await sql`UPDATE ${sql(schema)}.${sql(`${table}_outbox`)} SET next_attempt_at = now() WHERE delivered_at IS NULL`
+    }
     w.until = async (what, check) => {
       const deadline = Date.now() + 5000
       while (!check()) {
@@ -221,23 +234,33 @@ function suite (url: string): void {
   })
 
   t.test('a failed delivery is retried with backoff by the worker, then delivered once', async (t) => {
-    const w = await world(t, { transaction: true })
+    // A minute's first retry delay: no message can come due by itself while the test looks, so
+    // each retry below is due because the test moved its time, whatever the machine's load.
+    const retryDelay = 60_000
+    const w = await world(t, { transaction: true }, {}, retryDelay)
     w.failNext = 3
     await w.post('r1')
     await w.until('the first attempts to fail', () => w.failNext === 1)
     // The worker records a failure just after deliver() threw.
     let failed = await w.outboxRows()
-    for (let i = 0; i < 200 && !failed.every((row) => row.attempts === 1); i++) {
+    for (let i = 0; i < 200 && !failed.every((row) => row.attempts === 1 && row.last_error !== null); i++) {
       await sleep(10)
       failed = await w.outboxRows()
     }
-    t.ok(failed.every((row) => row.delivered_at === null && row.last_error === 'broker unavailable' && row.attempts === 1))
+    t.ok(failed.every((row) => row.delivered_at === null && row.last_error === 'broker unavailable' && row.attempts === 1), 'both failed once')
+    for (const [name, ms] of Object.entries(await w.dueIn())) {
+      t.ok(ms > retryDelay - 10_000 && ms <= retryDelay, `${name}: due again after the first retry delay (${Math.round(ms)} ms)`)
+    }
     let report = await w.store.deliverOutbox()
     t.same(report, { delivered: 0, failed: 0 }, 'not due yet: the backoff')
-    await sleep(120)
+    await w.makeDue()
     report = await w.store.deliverOutbox()
     t.same(report, { delivered: 1, failed: 1 }, 'one more failure, one delivery')
-    await sleep(250)
+    const [again, ...others] = Object.values(await w.dueIn())
+    t.same(others, [], 'one message left')
+    t.ok(again !== undefined && again > 2 * retryDelay - 10_000 && again <= 2 * retryDelay, `the second retry delay is twice the first (${Math.round(again ?? 0)} ms)`)
+    t.same(await w.store.deliverOutbox(), { delivered: 0, failed: 0 }, 'not due yet: the doubled backoff')
+    await w.makeDue()
     report = await w.store.deliverOutbox()
     t.same(report, { delivered: 1, failed: 0 })
     // Both were enqueued by one transaction (same created_at): which one failed twice is not fixed.
