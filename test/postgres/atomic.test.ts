@@ -144,6 +144,15 @@ function suite (url: string): void {
     return seen
   }
 
+  /**
+   * Until the first try's lock wait has timed out and been tried again (its event published): what
+   * the tests below release a lock after, so that it goes within the second try's 100 ms however
+   * slow the machine, instead of after a sleep the machine may outlast.
+   */
+  async function triedAgain (timeouts: readonly LockTimeoutEvent[]): Promise<void> {
+    for (let i = 0; i < 1_000 && !timeouts.some((e) => e.then === 'retry'); i++) await sleep(1)
+  }
+
   const pay = (app: FastifyInstance, key: string, body: object) =>
     app.inject({ method: 'POST', url: '/pay', headers: keyed(key), payload: body })
 
@@ -241,22 +250,22 @@ function suite (url: string): void {
       SELECT 1 FROM pg_locks WHERE relation = ${`"${schema}".records`}::regclass AND NOT granted`).length > 0
     for (let i = 0; i < 500 && !await waiting(); i++) await sleep(5)
     t.ok(await waiting(), 'the claim waits on the table lock')
-    // Longer than `wait`: the first attempt has timed out; the lock goes while the second waits.
-    await sleep(100)
+    // The first attempt timed out after `wait`; the lock goes while the second waits.
+    await triedAgain(timeouts)
     await lock.release()
     await ranOnceAfterTheLock(t, w, await answer, 'k-lock')
     t.match(timeouts, [{ scope: 'test', key: 'k-lock', boundMs: 90, then: 'retry', heldHere: false }], 'the timeout was published once, as retried')
     t.equal(timeouts.length, 1)
   })
 
-  t.test('without wait, a claim that meets a lock held for a moment elsewhere (here 40 ms) runs: tried again with a longer bound, not answered 409', async (t) => {
+  t.test('without wait, a claim that meets a lock held for a moment elsewhere (past its first 1 ms try) runs: tried again with a longer bound, not answered 409', async (t) => {
     // Seen in CI: a busy machine held a lock (the table's extension lock, presumably) past two
     // 1 ms bounds, and 2 of 30 fresh keys got 409. The second try is bounded by 100 ms.
     const w = await world(t)
     const timeouts = lockTimeoutsOf(t, 'k-moment')
     const lock = await lockRecordsTable(t)
     const answer = pay(w.app, 'k-moment', { amount: 1 })
-    await sleep(40)
+    await triedAgain(timeouts)
     await lock.release()
     await ranOnceAfterTheLock(t, w, await answer, 'k-moment')
     t.same(timeouts.map((e) => [e.boundMs, e.then, e.heldHere]), [[1, 'retry', false]], 'one timeout, of the 1 ms bound, tried again')
@@ -271,7 +280,7 @@ function suite (url: string): void {
     const original = pay(a.app, 'k-elsewhere', { amount: 5 })
     await entered.promise
     const duplicate = pay(b.app, 'k-elsewhere', { amount: 5 })
-    await sleep(50)
+    await triedAgain(timeouts)
     gate.resolve()
     t.equal((await original).statusCode, 201)
     const answer = await duplicate
