@@ -166,6 +166,28 @@ export interface TransactionHooks {
   readonly prelude?: string
 }
 
+/** A connection of its own that LISTENs on one channel (settlements.ts). */
+export interface Listening {
+  /** Ends the connection; nothing is reported lost after this. */
+  close (): Promise<void>
+}
+
+/** What {@link DatabaseClient.listen} reports. */
+export interface ListenHandlers {
+  /** A NOTIFY on the channel, with its payload. */
+  notice (payload: string): void
+  /** The connection ended or failed: no notice arrives through it any more. Called at most once. */
+  lost (err: Error): void
+}
+
+/**
+ * The application_name of the listening connection, so an operator can tell it in
+ * pg_stat_activity: the application's own with ` (idempotency listener)` after it, when it set one.
+ */
+export function listenerName (applicationName: unknown): string {
+  return typeof applicationName === 'string' && applicationName !== '' ? `${applicationName} (idempotency listener)` : 'fastify-idempotency listener'
+}
+
 export interface DatabaseClient extends Queryable {
   /** Which client library this is, for messages. */
   readonly library: 'postgres' | 'pg'
@@ -189,4 +211,10 @@ export interface DatabaseClient extends Queryable {
   connectionOf (handle: unknown): Queryable | null
   /** True for an error the server sent on a live session (it rolled the statement back). */
   isServerError (err: unknown): boolean
+  /**
+   * Opens a connection of its own, outside the pool, with the client's settings, and LISTENs on
+   * `channel` (a quoted identifier); resolves once the LISTEN is in place. Null when the client
+   * cannot open one (a pool-like object without node-postgres's `Client`).
+   */
+  listen (channel: string, handlers: ListenHandlers): Promise<Listening> | null
 }

@@ -2,6 +2,7 @@ import { createHash } from 'node:crypto'
 import { TRANSACTION_MARK, type DatabaseClient, type Ended, type Queryable, type Rows, type TransactionConnection, type TransactionHooks, type Value } from './client.js'
 import { connectionState, type ConnectionState } from './dropped-connection.js'
 import { guardPoolClient } from './node-postgres-guard.js'
+import { listenOnNodePostgres, type NodePostgresClientSource } from './node-postgres-listen.js'
 import { nodePostgresTypes } from './node-postgres-types.js'
 
 /**
@@ -255,6 +256,7 @@ export function nodePostgresClient (pool: NodePostgresPool): DatabaseClient {
       }
     },
     connectionOf: (handle) => typeof handle === 'object' && handle !== null ? handles.get(handle) ?? null : null,
-    isServerError
+    isServerError,
+    listen: (channel, handlers) => listenOnNodePostgres(pool as NodePostgresClientSource, channel, handlers)
   }
 }

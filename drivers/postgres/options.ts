@@ -67,8 +67,12 @@ export interface PostgresStoreOptions extends TableOptions {
   onBackgroundError?: (error: unknown, task: BackgroundTask) => void
 }
 
-/** What background work failed: the purge timer, an outbox delivery, or an idle pooled connection (node-postgres). */
-export type BackgroundTask = 'purge' | 'outbox' | 'connection'
+/**
+ * What background work failed: the purge timer, an outbox delivery, an idle pooled connection
+ * (node-postgres), the settlement listener's connection (lost, or not reopened yet: waiters poll
+ * meanwhile), or a settlement notice that could not be sent (waiters learn of it later).
+ */
+export type BackgroundTask = 'purge' | 'outbox' | 'connection' | 'listener' | 'notify'
 
 export interface ResolvedNames {
   readonly schema: string

@@ -2,6 +2,7 @@ import type { Sql, TransactionSql } from 'postgres'
 import { TRANSACTION_MARK, type DatabaseClient, type Ended, type Queryable, type Rows, type TransactionConnection, type Value } from './client.js'
 import { beginOnLiveConnection, watched } from './dropped-connection.js'
 import { guardTransaction } from './postgres-js-guard.js'
+import { listenOnPostgresJs } from './postgres-js-listen.js'
 
 /**
  * The driver on a postgres.js (porsager) client. Every statement goes through `unsafe` with
@@ -120,7 +121,8 @@ export function postgresJsClient (sql: Sql<any>): DatabaseClient {
     },
     connectionOf: (handle) => (typeof handle === 'function' || typeof handle === 'object') && handle !== null ? handles.get(handle) ?? null : null,
     // A PANIC is not an answer about the commit: see node-postgres.ts, isServerError.
-    isServerError: (err) => (err as { name?: unknown } | null)?.name === 'PostgresError' && (err as { severity?: unknown }).severity !== 'PANIC'
+    isServerError: (err) => (err as { name?: unknown } | null)?.name === 'PostgresError' && (err as { severity?: unknown }).severity !== 'PANIC',
+    listen: (channel, handlers) => listenOnPostgresJs(sql, channel, handlers)
   }
 }
 

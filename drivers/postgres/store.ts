@@ -3,7 +3,7 @@ import type { RecoveryTools } from '../../lib/core/admin.js'
 import { fingerprintsEqual } from '../../lib/core/fingerprint.js'
 import { reconcileWith, startReconcilerWith, type ReconcileOptions, type ReconcilerOptions, type ReconcileReport } from '../../lib/core/reconcile.js'
 import type {
-  ClaimRequest, ClaimResult, IdempotencyStore, Lease, OutboxEntry, RecordId, StepResults, StoredRecord, StoredResponse
+  ClaimRequest, ClaimResult, IdempotencyStore, Lease, OutboxEntry, RecordId, SettlementHandlers, StepResults, StoredRecord, StoredResponse
 } from '../../lib/core/store.js'
 import { integerOption } from '../../lib/core/validate.js'
 import { resolveStoreOptions, type BackgroundTask, type PostgresStoreOptions } from './options.js'
@@ -11,6 +11,7 @@ import { createOutbox, type DeliveryReport } from './outbox.js'
 import { createRecovery } from './recovery.js'
 import { migrateOn } from './schema.js'
 import { checkSchema } from './schema-check.js'
+import { announceSettlement, settlementChannel, watchChannel } from './settlements.js'
 import { createStatements, type ExistingRecord } from './statements.js'
 import { createTransactions } from './transaction.js'
 
@@ -92,6 +93,11 @@ export function postgresStore (options: PostgresStoreOptions): PostgresStore {
   const recovery = createRecovery(db, table)
   const outbox = settings.outbox === null ? null : createOutbox(db, `${db.identifier(settings.schema)}.${db.identifier(`${settings.table}_outbox`)}`, settings.outbox)
   const deliveries = new Set<Promise<unknown>>()
+  const channel = settlementChannel(settings.schema, settings.table)
+  /** Leases claimed with `announce`: their settlement is noticed (settlements.ts). Weak: a lease never settled goes with it. */
+  const announced = new WeakSet<Lease>()
+  const notices = new Set<Promise<unknown>>()
+  const watches = new Set<() => void>()
   let purging: Promise<void> | null = null
   let closed = false
 
@@ -136,15 +142,34 @@ export function postgresStore (options: PostgresStoreOptions): PostgresStore {
     return total
   }
 
+  /** Not awaited by the settlement it follows; close() waits for it. A failure delays waiters, never an answer. */
+  function announce (id: RecordId): void {
+    if (closed) return
+    const notice = announceSettlement(db, channel, id).catch((err: unknown) => { reportBackground(err, 'notify') }).finally(() => { notices.delete(notice) })
+    notices.add(notice)
+  }
+
+  /** `settled`: whether the settlement took effect; noticed when it did and `always` or the lease was announced. */
+  function noticed (lease: Lease, settled: boolean, always = false): boolean {
+    if (settled && (always || announced.has(lease))) announce(lease)
+    return settled
+  }
+
   function requireOutbox (): NonNullable<typeof outbox> {
     if (outbox === null) throw new TypeError('fastify-idempotency: this postgres store has no outbox: postgresStore({ sql, outbox: { deliver } })')
     return outbox
   }
 
-  const reconcileSource = recovery.source(
-    (lease, response, ttlMs) => retrying(() => statements.complete(lease, response, ttlMs)),
-    (lease) => retrying(() => statements.release(lease))
+  // The reconciler's resolutions are noticed whatever the claim asked: they are rare, and a
+  // duplicate may be waiting on a held record.
+  const recoverySource = recovery.source(
+    async (lease, response, ttlMs) => noticed(lease, await retrying(() => statements.complete(lease, response, ttlMs)), true),
+    async (lease) => noticed(lease, await retrying(() => statements.release(lease)), true)
   )
+  const reconcileSource = {
+    ...recoverySource,
+    resume: async (lease: Lease, ttlMs: number) => noticed(lease, await recoverySource.resume(lease, ttlMs), true)
+  }
 
   /**
    * A reconciler pass, then the outbox's leftovers, under a transaction-level advisory lock: the
@@ -189,7 +214,9 @@ export function postgresStore (options: PostgresStoreOptions): PostgresStore {
   }
 
   function acquired (request: ClaimRequest, token: string, takeover: boolean): ClaimResult {
-    return { outcome: 'acquired', lease: { scope: request.scope, key: request.key, token }, takeover }
+    const lease = { scope: request.scope, key: request.key, token }
+    if (request.announce === true) announced.add(lease)
+    return { outcome: 'acquired', lease, takeover }
   }
 
   function answer (record: ExistingRecord): ClaimResult {
@@ -214,18 +241,22 @@ export function postgresStore (options: PostgresStoreOptions): PostgresStore {
       throw new Error(`fastify-idempotency: the postgres store could not settle a claim in ${MAX_CLAIM_ROUNDS} rounds; the record kept changing under it`)
     },
 
-    claimInTransaction: transactions.claimInTransaction,
+    async claimInTransaction (request) {
+      const result = await transactions.claimInTransaction(request)
+      if (result.outcome === 'acquired' && request.announce === true) announced.add(result.lease)
+      return result
+    },
 
     get openTransactions () { return transactions.size },
 
     async complete (lease: Lease, response: StoredResponse, ttlMs: number): Promise<boolean> {
-      if (transactions.owns(lease.token)) return transactions.commit(lease, response, ttlMs)
-      return UUID.test(lease.token) && retrying(() => statements.complete(lease, response, ttlMs))
+      if (transactions.owns(lease.token)) return noticed(lease, await transactions.commit(lease, response, ttlMs))
+      return UUID.test(lease.token) && noticed(lease, await retrying(() => statements.complete(lease, response, ttlMs)))
     },
 
     async release (lease: Lease): Promise<boolean> {
-      if (transactions.owns(lease.token)) return transactions.rollback(lease)
-      return UUID.test(lease.token) && retrying(() => statements.release(lease))
+      if (transactions.owns(lease.token)) return noticed(lease, await transactions.rollback(lease))
+      return UUID.test(lease.token) && noticed(lease, await retrying(() => statements.release(lease)))
     },
 
     // An open transaction holds its record (a crash rolls it back): there is no lease to extend.
@@ -252,13 +283,26 @@ export function postgresStore (options: PostgresStoreOptions): PostgresStore {
     loadSteps: (lease) => retrying(() => recovery.loadSteps(lease)),
     saveStep: (lease, name, resultJson) => retrying(() => recovery.saveStep(lease, name, resultJson)),
     runStepInTransaction: recovery.runStepInTransaction,
-    hold: (lease) => retrying(() => recovery.hold(lease)),
+    hold: async (lease) => noticed(lease, await retrying(() => recovery.hold(lease))),
     inspect: (id) => retrying(() => recovery.inspect(id)),
     listHeld: async (limit) => {
       const most = integerOption('postgresStore.listHeld(limit)', limit, 100, 1, 100_000)
       return await retrying(() => recovery.listHeld(most))
     },
-    forceRelease: (id) => retrying(() => recovery.forceRelease(id)),
+    forceRelease: async (id) => {
+      const released = await retrying(() => recovery.forceRelease(id))
+      if (released) announce(id)
+      return released
+    },
+
+    watchSettlements (handlers: SettlementHandlers): () => void {
+      const stop = watchChannel(db, channel, handlers, (err) => { reportBackground(err, 'listener') })
+      watches.add(stop)
+      return () => {
+        watches.delete(stop)
+        stop()
+      }
+    },
 
     reconcile: (options: ReconcileOptions): Promise<ReconcileReport> => reconcileWith(reconcileSource, options, 'postgresStore.reconcile'),
 
@@ -295,8 +339,10 @@ export function postgresStore (options: PostgresStoreOptions): PostgresStore {
     async close (): Promise<void> {
       closed = true
       if (timer !== null) clearInterval(timer)
+      for (const stop of [...watches]) stop()
+      watches.clear()
       await purging
-      await Promise.all(deliveries)
+      await Promise.all([...deliveries, ...notices])
     }
   }
 }

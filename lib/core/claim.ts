@@ -45,6 +45,10 @@ const BYPASS: Decision = Object.freeze({ kind: 'bypass' })
 /** Polling of a store for an in-flight original owned by another process: 10 ms, doubling to 250 ms. */
 const FIRST_POLL_MS = 10
 const MAX_POLL_MS = 250
+/** Past the lease's end as the store reported it, so the next read finds it lapsed rather than a millisecond short. */
+const LAPSE_MARGIN_MS = 20
+/** While settlement notices flow: the longest a waiter goes without reading the record, in case its notice was lost. */
+const NOTICED_POLL_MS = 2_000
 
 /**
  * Claims `state.key` in `state.scope` for the request whose unkeyed fingerprint is `unkeyed`.
@@ -83,7 +87,8 @@ function adoptRotated (engine: Engine, state: RequestState, held: ClaimInProgres
 function claimFor (engine: Engine, state: RequestState, fingerprint: Fingerprint): Decision | Promise<Decision> {
   const settings = state.settings
   useFingerprint(engine, state, fingerprint)
-  const claim: ClaimRequest = { scope: state.scope, key: state.key, fingerprint, leaseMs: settings.lease, ttlMs: settings.ttl }
+  const claim: ClaimRequest = { scope: state.scope, key: state.key, fingerprint, leaseMs: settings.lease, ttlMs: settings.ttl, announce: settings.wait > 0 }
+  if (claim.announce === true) engine.waiters.watch()
   if (engine.prefilter !== null || settings.wait > 0 || settings.transaction) return claimLoop(engine, state, claim)
   // One store call. A store that answers directly (the memory store) is decided on at once, with no
   // promise: the embedded default's whole claim stays synchronous.
@@ -187,9 +192,24 @@ async function claimLoop (engine: Engine, state: RequestState, claim: ClaimReque
     if (decided !== null) return decided
     const remaining = deadline - Date.now()
     if (remaining <= 0) return refuseInProgress(engine, state)
-    await engine.waiters.wait(localId(state.scope, state.key), Math.min(poll, remaining))
+    await engine.waiters.wait(localId(state.scope, state.key), pauseFor(engine, held as ClaimInProgress, poll, remaining))
     poll = Math.min(poll * 2, MAX_POLL_MS)
   }
+}
+
+/**
+ * How long a duplicate waits before it reads the record again, unless woken first. While the
+ * store's settlement notices flow, the original's settlement wakes it (lib/core/waiters.ts), so it
+ * reads again only then; or once the original's lease has lapsed (an owner that died settles
+ * nothing; one still running has renewed by then, and the duplicate waits again); or after
+ * NOTICED_POLL_MS, for a notice that never came (a process that died between its settlement and
+ * the notice, a connection pooler that does not pass notices on). Otherwise it polls: 10 ms,
+ * doubling to 250 ms.
+ */
+function pauseFor (engine: Engine, held: ClaimInProgress, poll: number, remaining: number): number {
+  if (!engine.waiters.live) return Math.min(poll, remaining)
+  const untilLapse = held.leaseRemainingMs > 0 ? held.leaseRemainingMs + LAPSE_MARGIN_MS : Infinity
+  return Math.min(remaining, untilLapse, NOTICED_POLL_MS)
 }
 
 /**

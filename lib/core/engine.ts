@@ -27,9 +27,15 @@ export function createEngine (store: IdempotencyStore, prefilter: IdempotencyPre
   return {
     store: atRest.store,
     prefilter: atRest.prefilter,
-    waiters: new Waiters(),
+    waiters: new Waiters(atRest.store),
     metrics,
     fingerprintKeys: keyring === null ? null : deriveFingerprintKeys(keyring),
     closed: false
   }
+}
+
+/** The registration (or runner) closed: background settlements stop retrying, and the settlement watch ends. */
+export function closeEngine (engine: Engine): void {
+  engine.closed = true
+  engine.waiters.stop()
 }

@@ -60,6 +60,13 @@ export interface ClaimRequest extends RecordId {
   readonly leaseMs: number
   /** How long a record is retained after it was created or completed. */
   readonly ttlMs: number
+  /**
+   * Set when duplicates of this request may wait for it (the route's or the run's `wait`): a
+   * driver with {@link IdempotencyStore.watchSettlements} then announces the settlement of the
+   * record this claim acquires (complete, release, hold) to every watcher. A record nobody may
+   * wait for is settled without a notice, which costs something (see the PostgreSQL driver).
+   */
+  readonly announce?: boolean
 }
 
 /** The store created the record, or took over an abandoned one: the caller now executes. */
@@ -129,6 +136,22 @@ export type StoredRecord =
  */
 export type Answer<T> = T | Promise<T>
 
+/** What {@link IdempotencyStore.watchSettlements} calls. */
+export interface SettlementHandlers {
+  /**
+   * A record settled (completed, released, held for the reconciler, resolved by it, or
+   * force-released) in some process sharing the store. `digest` is `settlementDigest(scope, key)`
+   * (exported by `fastify-idempotency`): the record's identity, not its key, so a notice
+   * shows no key to whoever else can watch.
+   */
+  settled (digest: string): void
+  /**
+   * Whether notices flow: true once the watch is in place, false when it was lost (a notice sent
+   * meanwhile may never arrive) until it is in place again. Waiters poll the store while it is false.
+   */
+  live (flowing: boolean): void
+}
+
 export interface IdempotencyStore {
   /**
    * Decides who executes. Atomically, with respect to every other call on the same (scope, key), from
@@ -177,6 +200,15 @@ export interface IdempotencyStore {
 
   /** Stops the driver's own timers and releases what the driver opened (never a client the user passed in). */
   close (): Promise<void>
+
+  /**
+   * Optional: notices of settlements made by every process sharing the store, so a duplicate that
+   * waits for its original (the `wait` option) answers when the original settles instead of
+   * polling. Called once per registration (or runner), at its first wait; the returned function
+   * stops the watch (the registration closed). Settlements of records claimed with `announce` must
+   * be noticed; others may be. A driver that cannot watch leaves this out: waiters then poll.
+   */
+  watchSettlements? (handlers: SettlementHandlers): () => void
 
   /**
    * Optional: tells, before the first request, whether the store can serve as it is set up. The

@@ -1,24 +1,82 @@
+import { createHash } from 'node:crypto'
+import type { IdempotencyStore } from './store.js'
+
 /**
- * In-process wake-ups for duplicates waiting on an in-flight original (the `wait` option). A key
- * completed or released by this process wakes its local waiters at once; waiters on an original
- * running in another process fall back to polling the store.
+ * Wake-ups for duplicates waiting on an in-flight original (the `wait` option). A key settled by
+ * this process wakes its local waiters at once. A key settled by another process wakes them
+ * through the store's settlement notices (IdempotencyStore.watchSettlements: one watch per
+ * registration, opened at its first wait), while they flow; while they do not (a store without
+ * them, a watch lost and not yet back), waiters poll the store.
  */
 export class Waiters {
   readonly #waiting = new Map<string, Set<() => void>>()
+  /** The ids waited for, by settlement digest (what a notice names); kept only while a watch is open. */
+  readonly #byDigest = new Map<string, string>()
+  #store: IdempotencyStore | null = null
+  #stopWatch: (() => void) | null = null
+  #live = false
+  #stopped = false
 
-  /** Resolves when `id` is settled in this process or after `ms`, whichever comes first. */
+  /** `store`: where notices come from, or null (in-process wake-ups only). */
+  constructor (store: IdempotencyStore | null = null) {
+    this.#store = store?.watchSettlements === undefined ? null : store
+  }
+
+  /** True while the store's notices flow: a waiter may then sleep until it is woken (or its original's lease lapses) instead of polling. */
+  get live (): boolean {
+    return this.#live
+  }
+
+  /**
+   * Opens the store's watch, once: at the first claim that duplicates may wait for, so that the
+   * watch is usually in place by the time one does.
+   */
+  watch (): void {
+    const store = this.#store
+    if (store === null || this.#stopped) return
+    this.#store = null
+    const watch = store.watchSettlements as NonNullable<IdempotencyStore['watchSettlements']>
+    let stop: () => void
+    try {
+      stop = watch.call(store, {
+        settled: (digest) => {
+          const id = this.#byDigest.get(digest)
+          if (id !== undefined) this.notify(id)
+        },
+        live: (flowing) => {
+          if (flowing === this.#live || this.#stopped) return
+          this.#live = flowing
+          // Either way every waiter reads its record once more: a notice may have been missed while
+          // the watch was down, and a waiter sleeping on notices must start polling now.
+          for (const id of [...this.#waiting.keys()]) this.notify(id)
+        }
+      })
+    } catch {
+      // A store that cannot watch after all: its waiters poll, as without the method.
+      return
+    }
+    this.#stopWatch = stop
+    // Keys already waited for are indexed now, so a first notice finds them.
+    for (const id of this.#waiting.keys()) this.#byDigest.set(digestOf(id), id)
+  }
+
+  /** Resolves when `id` is settled (here, or anywhere while notices flow) or after `ms`, whichever comes first. */
   wait (id: string, ms: number): Promise<void> {
     return new Promise((resolve) => {
       let set = this.#waiting.get(id)
       if (set === undefined) {
         set = new Set()
         this.#waiting.set(id, set)
+        if (this.#stopWatch !== null) this.#byDigest.set(digestOf(id), id)
       }
       const waiting = set
       const wake = (): void => {
         clearTimeout(timer)
         waiting.delete(wake)
-        if (waiting.size === 0 && this.#waiting.get(id) === waiting) this.#waiting.delete(id)
+        if (waiting.size === 0 && this.#waiting.get(id) === waiting) {
+          this.#waiting.delete(id)
+          if (this.#byDigest.size > 0) this.#byDigest.delete(digestOf(id))
+        }
         resolve()
       }
       const timer = setTimeout(wake, ms)
@@ -31,9 +89,31 @@ export class Waiters {
     if (set === undefined) return
     for (const wake of [...set]) wake()
   }
+
+  /** Stops the watch (the registration or runner closed); waiters poll from then on. */
+  stop (): void {
+    this.#stopped = true
+    this.#store = null
+    this.#stopWatch?.()
+    this.#stopWatch = null
+    this.#live = false
+    this.#byDigest.clear()
+  }
 }
 
 /** The same length-prefixed (scope, key) identity the drivers use, for in-process maps. */
 export function localId (scope: string, key: string): string {
   return `${scope.length}:${scope}${key}`
+}
+
+/**
+ * What a settlement notice carries for the record (scope, key) (IdempotencyStore.watchSettlements):
+ * a digest of its identity, 43 characters, so a notice never shows a key.
+ */
+export function settlementDigest (scope: string, key: string): string {
+  return digestOf(localId(scope, key))
+}
+
+function digestOf (id: string): string {
+  return createHash('sha256').update(id).digest('base64url')
 }

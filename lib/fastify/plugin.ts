@@ -2,7 +2,7 @@ import type { FastifyInstance, FastifyPluginCallback, RouteOptions } from 'fasti
 import { kState } from './request-state.js'
 import { checkEarlierRoutes } from './earlier-routes.js'
 import { checkPrefilter, checkStore, checkTransactions } from '../core/check-store.js'
-import { createEngine } from '../core/engine.js'
+import { closeEngine, createEngine } from '../core/engine.js'
 import type { HttpEngine } from '../http/engine.js'
 import { createRecordHook, routeHooks, trackHandler } from './hooks.js'
 import { documentRoute } from '../http/openapi.js'
@@ -56,7 +56,7 @@ export const idempotencyPlugin: FastifyPluginCallback<IdempotencyOptions> = func
     }
   }
   fastify.addHook('onClose', async () => {
-    engine.closed = true
+    closeEngine(engine)
     if (ownsStore) await store.close()
   })
   done()

@@ -1,7 +1,7 @@
 import { checkPrefilter, checkStore, checkTransactions } from '../core/check-store.js'
 import { claimKey } from '../core/claim.js'
 import { RequestState, type IdempotencyContext } from '../core/context.js'
-import { createEngine, type Engine } from '../core/engine.js'
+import { closeEngine, createEngine, type Engine } from '../core/engine.js'
 import { InvalidOptionError, KeyReusedError, OperationInProgressError, StoreUnavailableError } from '../core/errors.js'
 import { canonicalFingerprint } from '../core/fingerprint.js'
 import { resolveKeyring } from '../core/keyring.js'
@@ -71,7 +71,7 @@ export function idempotencyRunner (options: RunnerOptions): StandaloneRunner {
   const runner = createRunner(engine, defaults.settings, defaults.retryAfterMs, defaults.log)
   return {
     run: runner.run,
-    async close () { engine.closed = true }
+    async close () { closeEngine(engine) }
   }
 }
 

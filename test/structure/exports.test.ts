@@ -20,9 +20,10 @@ const PUBLIC: Readonly<Record<string, readonly string[]>> = {
     'MemoryStore', 'MemoryStoreFullError', 'MemoryStoreOptions', 'MemoryStoreUsage', 'MeterLike', 'OperationInProgressError', 'OutboxEntry',
     'Outcome', 'PrefilterHit', 'ProblemKind', 'ProfileName', 'RebuildFunction', 'RebuiltResponse', 'ReconcileOptions', 'ReconcileReport',
     'Reconciler', 'ReconcilerOptions', 'RecordId', 'RecordRule', 'RecoveryTools', 'Resolution', 'ResolvedResponse', 'RolledBackError',
-    'RouteIdempotencyOptions', 'RunOptions', 'RunResult', 'RunnerOptions', 'ScopeFunction', 'StandaloneRunner', 'StatusRouteOptions',
+    'RouteIdempotencyOptions', 'RunOptions', 'RunResult', 'RunnerOptions', 'ScopeFunction', 'SettlementHandlers', 'StandaloneRunner', 'StatusRouteOptions',
     'StepOptions', 'StepResults', 'StoreNotReadyError', 'StoreTimeoutError', 'StoreUnavailableError', 'StoredRecord', 'StoredResponse',
-    'StuckRecord', 'TransactionEndedError', 'UnprotectedRoutesError', 'default', 'fastifyIdempotency', 'idempotencyRunner', 'memoryStore'
+    'StuckRecord', 'TransactionEndedError', 'UnprotectedRoutesError', 'default', 'fastifyIdempotency', 'idempotencyRunner', 'memoryStore',
+    'settlementDigest'
   ],
   'drivers/postgres/index.ts': [
     'AtomicTransaction', 'AtomicTransactionTypes', 'BackgroundTask', 'DeliveryReport', 'LOCK_TIMEOUT_CHANNEL', 'LockTimeoutEvent', 'NodePostgresPoolLike',

@@ -1,0 +1,3 @@
+// test/postgres/settlement-notices.test.ts with the store on node-postgres (test/helpers/postgres-clients.ts).
+process.env.IDEM_PG_CLIENT = 'pg'
+await import('../settlement-notices.test.js')
