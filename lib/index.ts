@@ -50,6 +50,6 @@ export type { ProfileName } from './http/profiles.js'
 export type { IdempotencyKeyStatus } from './http/status-route.js'
 export type {
   ClaimAcquired, ClaimCompleted, ClaimInProgress, ClaimRequest, ClaimResult, Fingerprint,
-  IdempotencyStore, Lease, OutboxEntry, RecordId, SettlementHandlers, StepResults, StoredRecord, StoredResponse
+  IdempotencyStore, InTransactionClaimRequest, Lease, OutboxEntry, RecordId, SettlementHandlers, StepResults, StoredRecord, StoredResponse
 } from './core/store.js'
 export { settlementDigest } from './core/waiters.js'

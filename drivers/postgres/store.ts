@@ -3,7 +3,7 @@ import type { RecoveryTools } from '../../lib/core/admin.js'
 import { fingerprintsEqual } from '../../lib/core/fingerprint.js'
 import { reconcileWith, startReconcilerWith, type ReconcileOptions, type ReconcilerOptions, type ReconcileReport } from '../../lib/core/reconcile.js'
 import type {
-  ClaimRequest, ClaimResult, IdempotencyStore, Lease, OutboxEntry, RecordId, SettlementHandlers, StepResults, StoredRecord, StoredResponse
+  ClaimRequest, ClaimResult, IdempotencyStore, InTransactionClaimRequest, Lease, OutboxEntry, RecordId, SettlementHandlers, StepResults, StoredRecord, StoredResponse
 } from '../../lib/core/store.js'
 import { integerOption } from '../../lib/core/validate.js'
 import { resolveStoreOptions, type BackgroundTask, type PostgresStoreOptions } from './options.js'
@@ -25,7 +25,7 @@ export interface PostgresStore extends IdempotencyStore, RecoveryTools {
    */
   check (): Promise<void>
   /** Atomic mode (route option `transaction: true`); see transaction.ts. */
-  claimInTransaction (request: ClaimRequest & { readonly waitMs: number }): Promise<ClaimResult>
+  claimInTransaction (request: InTransactionClaimRequest): Promise<ClaimResult>
   /** Transactions held open by atomic-mode requests in flight; 0 when idle means no connection leaked. */
   readonly openTransactions: number
   loadSteps (lease: Lease): Promise<StepResults | null>

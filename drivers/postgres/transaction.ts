@@ -2,7 +2,7 @@ import { randomUUID } from 'node:crypto'
 import diagnostics from 'node:diagnostics_channel'
 import { RolledBackError, TransactionEndedError } from '../../lib/core/errors.js'
 import { fingerprintsEqual } from '../../lib/core/fingerprint.js'
-import type { ClaimRequest, ClaimResult, Lease, StoredResponse } from '../../lib/core/store.js'
+import type { ClaimRequest, ClaimResult, InTransactionClaimRequest, Lease, StoredResponse } from '../../lib/core/store.js'
 import type { DatabaseClient, TransactionConnection } from './client.js'
 import { createAtomicStatements, type AtomicStatements } from './statements.js'
 
@@ -95,7 +95,7 @@ export const LOCK_TIMEOUT_CHANNEL = 'fastify-idempotency:lock-timeout'
 const lockTimeouts = diagnostics.channel(LOCK_TIMEOUT_CHANNEL)
 
 export interface Transactions {
-  claimInTransaction (request: ClaimRequest & { readonly waitMs: number }): Promise<ClaimResult>
+  claimInTransaction (request: InTransactionClaimRequest): Promise<ClaimResult>
   /** True while `token` owns an open transaction of this store. */
   owns (token: string): boolean
   commit (lease: Lease, response: StoredResponse, ttlMs: number): Promise<boolean>
@@ -112,16 +112,18 @@ export function createTransactions (db: DatabaseClient, table: string): Transact
   const open = new Map<string, OpenTransaction>()
   let unfinished = 0
 
-  function claimInTransaction (request: ClaimRequest & { readonly waitMs: number }): Promise<ClaimResult> {
+  function claimInTransaction (request: InTransactionClaimRequest): Promise<ClaimResult> {
     return new Promise<ClaimResult>((resolve, reject) => {
       // Thrown here, an invalid waitMs rejects the claim.
       const setLockTimeout = lockTimeoutStatement(request.waitMs)
-      attempt(request, setLockTimeout, request.waitMs, request.waitMs < MOMENTARY_LOCK_MS ? LOCK_TIMEOUT_RETRIES : 0, resolve, reject)
+      // A caller that waits by itself (answerAtOnce) claims again later, holding no connection meanwhile.
+      const retries = request.answerAtOnce !== true && request.waitMs < MOMENTARY_LOCK_MS ? LOCK_TIMEOUT_RETRIES : 0
+      attempt(request, setLockTimeout, request.waitMs, retries, resolve, reject)
     })
   }
 
   function attempt (
-    request: ClaimRequest & { readonly waitMs: number },
+    request: InTransactionClaimRequest,
     setLockTimeout: string,
     boundMs: number,
     retriesLeft: number,
@@ -227,7 +229,9 @@ export function createTransactions (db: DatabaseClient, table: string): Transact
           // Blocked on an uncommitted claim of the same key (this store's, or still there after
           // the longer try): in progress. Its fingerprint is invisible until it commits, so this
           // one cannot tell 409 from 422; a retry after the original commits gets the precise answer.
-          resolveClaim({ outcome: 'in_progress', fingerprint: request.fingerprint, leaseRemainingMs: 0 })
+          resolveClaim(request.answerAtOnce === true && !held
+            ? { outcome: 'in_progress', fingerprint: request.fingerprint, leaseRemainingMs: 0, unseen: true }
+            : { outcome: 'in_progress', fingerprint: request.fingerprint, leaseRemainingMs: 0 })
         }
       }
     )
@@ -285,7 +289,7 @@ function commitError (err: unknown, commitSent: boolean, db: DatabaseClient): un
 async function claimWithin (
   tx: TransactionConnection,
   statements: AtomicStatements,
-  request: ClaimRequest & { readonly waitMs: number },
+  request: InTransactionClaimRequest,
   token: string,
   setLockTimeout: string
 ): Promise<ClaimResult> {

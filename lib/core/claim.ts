@@ -49,6 +49,8 @@ const MAX_POLL_MS = 250
 const LAPSE_MARGIN_MS = 20
 /** While settlement notices flow: the longest a waiter goes without reading the record, in case its notice was lost. */
 const NOTICED_POLL_MS = 2_000
+/** How long a lock that is no claim's lasts at most, as the PostgreSQL driver bounds its second try (drivers/postgres/transaction.ts). */
+const UNSEEN_RECHECK_MS = 100
 
 /**
  * Claims `state.key` in `state.scope` for the request whose unkeyed fingerprint is `unkeyed`.
@@ -146,6 +148,11 @@ async function claimLoop (engine: Engine, state: RequestState, claim: ClaimReque
   let fingerprint = claim.fingerprint
   const deadline = settings.wait > 0 ? Date.now() + settings.wait : 0
   let poll = FIRST_POLL_MS
+  // Atomic mode on a route that waits long enough: the claim never waits on another transaction's
+  // lock (it would hold a pooled connection all the while); it reports the key taken, and the
+  // duplicate waits here, holding nothing (claimInTransaction's `answerAtOnce`).
+  const answerAtOnce = settings.transaction && settings.wait >= UNSEEN_RECHECK_MS
+  let recheckedUnseen = false
   for (let round = 0; ; round++) {
     let held: ClaimInProgress | ClaimCompleted
     // Markers only matter to duplicates that wait: a route that does not wait sets none.
@@ -162,8 +169,8 @@ async function claimLoop (engine: Engine, state: RequestState, claim: ClaimReque
       let result: ClaimResult
       try {
         if (settings.transaction) {
-          const waitMs = Math.max(0, deadline - Date.now())
-          result = await bounded('claim', settings.storeTimeout + waitMs, () => claimInTransaction(engine, claim, waitMs), giveBackLate(engine, state))
+          const waitMs = answerAtOnce ? 0 : Math.max(0, deadline - Date.now())
+          result = await bounded('claim', settings.storeTimeout + waitMs, () => claimInTransaction(engine, claim, waitMs, answerAtOnce), giveBackLate(engine, state))
         } else {
           result = await bounded('claim', settings.storeTimeout, () => engine.store.claim(claim), giveBackLate(engine, state))
         }
@@ -192,7 +199,15 @@ async function claimLoop (engine: Engine, state: RequestState, claim: ClaimReque
     if (decided !== null) return decided
     const remaining = deadline - Date.now()
     if (remaining <= 0) return refuseInProgress(engine, state)
-    await engine.waiters.wait(localId(state.scope, state.key), pauseFor(engine, held as ClaimInProgress, poll, remaining))
+    let pause = pauseFor(engine, held as ClaimInProgress, poll, remaining)
+    // The record in the way could not be read: another process's uncommitted claim, or a lock that
+    // was no claim's (a table's extension lock, DDL), gone in a moment. Once, the claim is tried
+    // again after that moment; a key still taken then is a duplicate's, and waits for its settlement.
+    if ((held as ClaimInProgress).unseen === true && !recheckedUnseen) {
+      recheckedUnseen = true
+      pause = Math.min(pause, UNSEEN_RECHECK_MS)
+    }
+    await engine.waiters.wait(localId(state.scope, state.key), pause)
     poll = Math.min(poll * 2, MAX_POLL_MS)
   }
 }
@@ -270,11 +285,11 @@ function giveBackLate (engine: Engine, state: RequestState) {
   }
 }
 
-function claimInTransaction (engine: Engine, claim: ClaimRequest, waitMs: number): Promise<ClaimResult> {
+function claimInTransaction (engine: Engine, claim: ClaimRequest, waitMs: number, answerAtOnce: boolean): Promise<ClaimResult> {
   const store = engine.store
   // Checked when the route was added; kept for stores that drop the method at run time.
   if (store.claimInTransaction === undefined) return Promise.reject(new TypeError('fastify-idempotency: the store has no claimInTransaction'))
-  return store.claimInTransaction({ ...claim, waitMs })
+  return store.claimInTransaction(answerAtOnce ? { ...claim, waitMs, answerAtOnce } : { ...claim, waitMs })
 }
 
 function storeFailed (engine: Engine, state: RequestState, err: unknown): Decision {

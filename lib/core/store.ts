@@ -82,12 +82,31 @@ export interface ClaimAcquired {
   readonly transaction?: unknown
 }
 
+/** What `claimInTransaction` is asked. */
+export interface InTransactionClaimRequest extends ClaimRequest {
+  /** How long the claim may block on another attempt's uncommitted claim of the key. */
+  readonly waitMs: number
+  /**
+   * Set when the caller waits for the key itself, outside any transaction (the `wait` option): the
+   * claim blocks on no lock beyond the shortest bound and reports the key in progress (`unseen`
+   * when it could not read the record in the way) instead of trying again, so no waiting duplicate
+   * holds a connection.
+   */
+  readonly answerAtOnce?: boolean
+}
+
 /** Another attempt owns the record and is (or was, until its lease expires) executing. */
 export interface ClaimInProgress {
   readonly outcome: 'in_progress'
   readonly fingerprint: Fingerprint
   /** Milliseconds until the owner's lease expires (0 when unknown). */
   readonly leaseRemainingMs: number
+  /**
+   * Set by `claimInTransaction` with `answerAtOnce` when the record in the way could not be read:
+   * another process's uncommitted claim, or a lock that was no claim's. `fingerprint` is then the
+   * request's own; the caller claims again after a moment, then waits for a settlement.
+   */
+  readonly unseen?: boolean
 }
 
 /** The operation completed and its response was recorded. */
@@ -245,7 +264,7 @@ export interface IdempotencyStore {
    * more, as the postgres driver does; the plugin's `storeTimeout` bounds the whole claim). On any
    * outcome but `acquired`, no transaction is left open.
    */
-  claimInTransaction? (request: ClaimRequest & { readonly waitMs: number }): Promise<ClaimResult>
+  claimInTransaction? (request: InTransactionClaimRequest): Promise<ClaimResult>
 
   /**
    * Optional (recovery points, `request.idempotency.step`): the step results recorded on the

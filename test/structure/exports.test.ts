@@ -16,7 +16,7 @@ const PUBLIC: Readonly<Record<string, readonly string[]>> = {
     'ClaimAcquired', 'ClaimCompleted', 'ClaimInProgress', 'ClaimRequest', 'ClaimResult', 'DECISION_CHANNEL', 'DEFAULT_REPLAY_HEADERS', 'DecisionEvent',
     'EarlierRoutesPolicy', 'EmptyScopeError', 'EncryptionKey', 'EncryptionOptions', 'Fingerprint', 'FingerprintFunction', 'FingerprintOption',
     'IdempotencyContext', 'IdempotencyKeyStatus', 'IdempotencyOptions', 'IdempotencyPrefilter', 'IdempotencyRunner', 'IdempotencyStore',
-    'IdempotentOperation', 'InspectedRecord', 'InvalidOptionError', 'KeyFormat', 'KeyFunction', 'KeyReusedError', 'Lease', 'LeaseLostError',
+    'IdempotentOperation', 'InTransactionClaimRequest', 'InspectedRecord', 'InvalidOptionError', 'KeyFormat', 'KeyFunction', 'KeyReusedError', 'Lease', 'LeaseLostError',
     'MemoryStore', 'MemoryStoreFullError', 'MemoryStoreOptions', 'MemoryStoreUsage', 'MeterLike', 'OperationInProgressError', 'OutboxEntry',
     'Outcome', 'PrefilterHit', 'ProblemKind', 'ProfileName', 'RebuildFunction', 'RebuiltResponse', 'ReconcileOptions', 'ReconcileReport',
     'Reconciler', 'ReconcilerOptions', 'RecordId', 'RecordRule', 'RecoveryTools', 'Resolution', 'ResolvedResponse', 'RolledBackError',
