@@ -48,6 +48,8 @@ export interface WorkloadHooks {
    * `holdMs` later.
    */
   readonly lockRecordsTable: (holdMs: number) => Promise<{ taken: boolean, released: Promise<void> }>
+  /** Terminates the settlement listener connection of app instance `index`; how many were terminated. */
+  readonly killListener: (index: number) => Promise<number>
 }
 
 interface OperationState {
@@ -250,6 +252,14 @@ export class Workload {
           this.interventions.push({ kind: 'table-lock', scope: target.scope, key: target.key, from, to: this.now(), instance: null, effective: lock.taken })
         })
         return lock.taken
+      },
+      killListener: async (instance, target) => {
+        const from = this.now()
+        let killed = 0
+        try {
+          killed = await this.hooks.killListener(instance.index)
+        } catch {}
+        this.interventions.push({ kind: 'listener-kill', scope: target.scope, key: target.key, from, to: this.now(), instance: instance.index, effective: killed > 0 })
       },
       partition: async (instance, target, ms) => {
         const from = this.now()

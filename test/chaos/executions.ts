@@ -33,6 +33,12 @@ export const BOUNDARIES = [
   'lock-timeout-tried-again',
   /** Of those, a second try that acquired the key: the lock was not a duplicate's (the table locked for a moment). */
   'lock-timeout-not-a-duplicate',
+  /** A duplicate that arrived on another instance while the original ran, waited, and was answered with its replay after it completed. */
+  'waiter-answered-across-instances',
+  /** Of those, in atomic mode. */
+  'atomic-waiter-answered-across-instances',
+  /** Of those, on an instance whose settlement listener was killed while it waited. */
+  'waiter-outlived-listener-loss',
   /** The queue door: a job whose worker was killed mid-run (fn started), then taken over by a later run of its key. */
   'job-taken-over-after-kill',
   /** A job delivered again (its visibility timeout ended) while its original run still ran: OperationInProgressError or a replay after waiting. */
@@ -58,6 +64,9 @@ export const BOUNDARY_SCENARIOS: Readonly<Record<Boundary, ReadonlyArray<Scenari
   'lock-timeout-held-here': ['atomic-duplicate'],
   'lock-timeout-tried-again': ['atomic-duplicate'],
   'lock-timeout-not-a-duplicate': ['atomic-duplicate'],
+  'waiter-answered-across-instances': ['wait-lease', 'wait-atomic'],
+  'atomic-waiter-answered-across-instances': ['wait-atomic'],
+  'waiter-outlived-listener-loss': ['wait-lease', 'wait-atomic'],
   'job-taken-over-after-kill': ['queue'],
   'job-redelivered-while-running': ['queue'],
   'job-delivered-to-two-workers': ['queue'],
@@ -446,6 +455,9 @@ export function checkExecutions (history: History, executions: readonly Executio
       }
     }
     if (op?.door === 'queue') countQueueBoundaries(list, attempts, reconcilerCompleted, killed, boundaries)
+    if (op?.scenario === 'wait-lease' || op?.scenario === 'wait-atomic') {
+      countWaiters(op, list, attempts, (interventionsOf.get(id) ?? []).filter((intervention) => intervention.kind === 'listener-kill' && intervention.effective), boundaries)
+    }
   }
 
   return {
@@ -464,6 +476,25 @@ export function checkExecutions (history: History, executions: readonly Executio
       secondTries,
       boundaries
     }
+  }
+}
+
+/**
+ * The waiting duplicates of a wait-lease or wait-atomic operation: attempts on another instance than
+ * the execution that completed the key, begun before its completion and answered after it with the
+ * replay. They waited for the original's settlement (the store's notice, or the pre-filter's copy).
+ */
+function countWaiters (op: Operation, list: readonly Execution[], attempts: readonly Attempt[], listenerKills: readonly Intervention[], boundaries: Record<Boundary, number>): void {
+  const completed = list.find((e) => e.settle?.ev === 'complete' && e.settle.ok === true)
+  if (completed?.settle === null || completed?.settle === undefined) return
+  const settledAt = completed.settle.t
+  for (const attempt of attempts) {
+    const outcome = attempt.outcome
+    if (outcome.kind !== 'response' || !outcome.replayed || outcome.status >= 300) continue
+    if (attempt.instance === completed.instance || attempt.startedAt >= settledAt || attempt.endedAt < settledAt) continue
+    boundaries['waiter-answered-across-instances']++
+    if (op.mode === 'atomic') boundaries['atomic-waiter-answered-across-instances']++
+    if (listenerKills.some((kill) => kill.instance === attempt.instance && kill.from > attempt.startedAt && kill.from < settledAt)) boundaries['waiter-outlived-listener-loss']++
   }
 }
 

@@ -102,15 +102,18 @@ export interface Incarnation {
  * key (the same statement as `store.forceRelease`), or one instance cut from the database.
  */
 export interface Intervention {
-  /** table-lock: the records table locked for a moment, by something that is not a duplicate (atomic-duplicate). */
-  readonly kind: 'force-release' | 'partition' | 'table-lock'
+  /**
+   * table-lock: the records table locked for a moment, by something that is not a duplicate
+   * (atomic-duplicate); listener-kill: the settlement listener of `instance` terminated (wait-lease, wait-atomic).
+   */
+  readonly kind: 'force-release' | 'partition' | 'table-lock' | 'listener-kill'
   readonly scope: string
   readonly key: string
   readonly from: number
   readonly to: number
-  /** The instance cut off (partition). */
+  /** The instance cut off (partition), or whose listener was killed. */
   readonly instance: number | null
-  /** Force release: the store deleted an in-progress record; table lock: the lock was taken. */
+  /** Force release: the store deleted an in-progress record; table lock: the lock was taken; listener kill: a listener was terminated. */
   readonly effective: boolean
 }
 

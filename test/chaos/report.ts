@@ -75,6 +75,9 @@ const BOUNDARY_LABELS: Readonly<Record<Boundary, string>> = {
   'lock-timeout-held-here': 'atomic claims timed out on a key their own instance held (409 at once)',
   'lock-timeout-tried-again': 'atomic claims timed out at 1 ms and tried again with 100 ms',
   'lock-timeout-not-a-duplicate': 'of those, claims that then ran (the lock was the table\'s, not a duplicate\'s)',
+  'waiter-answered-across-instances': 'duplicates that waited on another instance and got the replay when the original completed',
+  'atomic-waiter-answered-across-instances': 'of those, in atomic mode',
+  'waiter-outlived-listener-loss': 'of those, on an instance whose settlement listener was killed while they waited',
   'job-taken-over-after-kill': 'jobs whose worker was killed mid-run, then taken over by a redelivery',
   'job-redelivered-while-running': 'redeliveries while the original still ran (OperationInProgressError or a waited replay)',
   'job-delivered-to-two-workers': 'deliveries to two workers at once (one ran, the other got OperationInProgressError or the replay)',
@@ -110,7 +113,7 @@ export function formatSummary (report: ChaosReport): string {
       ? 'reconciler: none in this version of the plugin'
       : `reconciler (store.reconcile, a worker process, every 2 s): ${n(report.reconciler.passes)} passes took ${n(report.reconciler.examined)} stuck records in hand (a record no client retried is taken again at a later pass): ${n(report.reconciler.completed)} completed from their recorded charge, ${n(report.reconciler.resumed)} resumed for the next retry, ${n(report.reconciler.left)} left for a later pass (held records of the held scenario, younger than 2.5 s); ${n(report.reconciler.errors)} failed passes or records`,
     `faults injected (effective/injected): ${n(injected)} in all: ${faults}`,
-    `lease-boundary scenarios (lease 300 ms, ttl 1 s where short): ${scenarios === '' ? 'none' : scenarios}; ${n(report.interventions)} force releases, partitions and table locks`,
+    `lease-boundary scenarios (lease 300 ms, ttl 1 s where short): ${scenarios === '' ? 'none' : scenarios}; ${n(report.interventions)} force releases, partitions, table locks and listener kills`,
     `executions (from the instances' evidence logs): ${n(e.executions)}; takeovers ${n(e.takeovers)}; re-executions allowed: ${n(r['after-release'])} after a release, ${n(r['after-retention'])} after the retention, ${n(r['resumed-by-reconciler'])} resumed by the reconciler, ${n(r['after-dead-owner'])} after a dead owner, ${n(r['after-hold'])} after a hold (resolved or not: see execution-while-held), ${n(r['after-lapsed-owner'])} after an owner that finished without settling, ${n(r['force-released'])} after a force release, ${n(r['cut-from-db'])} while the owner was cut from the database, ${n(r['store-too-slow'])} while the owner's renewals took longer than its lease, ${n(r['owner-stalled'])} while the owner's process was frozen`,
     `lease boundaries crossed${minimum > 0 ? ` (at least ${n(minimum)} each required)` : ''}: ${crossed === '' ? 'none' : crossed}`,
     ...q === null

@@ -100,8 +100,10 @@ async function main (config: ChaosConfig): Promise<number> {
   // The operator's tool, on the harness's own connection (never faulted): the same statement as in production.
   const operator = postgresStore({ sql: services.postgres.sql, purgeInterval: 0 })
   const databaseUrl = services.databaseUrl
+  const postgresServer = services.postgres
   const workload = new Workload(system.instances, config.workload, random.fork('operations'), random.fork('clients'), now, {
     forceRelease: (scope, key) => operator.forceRelease({ scope, key }),
+    killListener: (index) => postgresServer.terminate(`chaos-app-${index} (idempotency listener)`),
     lockRecordsTable: async (holdMs) => {
       // Under load the table is seldom free of transactions for long: up to 10 tries, 20 ms apart,
       // each giving up after 10 ms in the lock's queue (where it holds up the claims behind it).

@@ -14,6 +14,11 @@
  *                    retries on another instance, which takes the key over
  *   held             a step completes, then the handler marks the failure indeterminate and fails:
  *                    the key is held for the reconciler, which leaves it longer than the 1 s ttl
+ *   wait-lease       a handler of 600–900 ms on a route with `wait` (2 s); duplicates arrive on the
+ *                    other instances and wait for it: woken by the store's settlement notice on the
+ *                    instance without a pre-filter (whose listener connection is killed while they
+ *                    wait, every other operation), by the pre-filter's copy on the other
+ *   wait-atomic      the same in atomic mode: its duplicates hold no connection while they wait
  *   atomic-duplicate atomic mode without `wait` (a claim's lock wait bounded by 1 ms): the handler
  *                    holds its transaction 300–500 ms on the instance without a pre-filter, and
  *                    duplicates arrive meanwhile on that instance (held here: 409 at once) and on
@@ -21,11 +26,13 @@
  *                    the original commits within it, the replay)
  */
 
-export const SCENARIOS = ['slow', 'slow-ttl', 'abandon', 'stream', 'stream-paused', 'steps-force', 'steps-partition', 'held', 'atomic-duplicate'] as const
+export const SCENARIOS = ['slow', 'slow-ttl', 'abandon', 'stream', 'stream-paused', 'steps-force', 'steps-partition', 'held', 'atomic-duplicate', 'wait-lease', 'wait-atomic'] as const
 export type Scenario = typeof SCENARIOS[number]
 
 /** The lease of every scenario route: a third of it is the renewal interval. */
 export const SCENARIO_LEASE_MS = 300
+/** The wait-lease and wait-atomic routes' `wait` and lease: longer than their handlers, so duplicates wait for the settlement. */
+export const WAITING_MS = 2_000
 /** The ttl of the short-retention routes (slow-ttl, held). */
 export const SHORT_TTL_MS = 1_000
 /** The reconciler leaves a held record of the `held` scenario at least this long after it was created. */
@@ -53,7 +60,9 @@ export const SCENARIO_ROUTES: Readonly<Record<Scenario, ScenarioRoute>> = {
   'steps-partition': { path: '/scenarios/steps', mode: 'lease', leaseMs: SCENARIO_LEASE_MS, ttlMs: null },
   held: { path: '/scenarios/held', mode: 'lease', leaseMs: SCENARIO_LEASE_MS, ttlMs: SHORT_TTL_MS },
   // The lease means nothing to an atomic claim (its transaction holds the key); `wait: 0` is the point.
-  'atomic-duplicate': { path: '/scenarios/atomic-duplicate', mode: 'atomic', leaseMs: SCENARIO_LEASE_MS, ttlMs: null, waitMs: 0 }
+  'atomic-duplicate': { path: '/scenarios/atomic-duplicate', mode: 'atomic', leaseMs: SCENARIO_LEASE_MS, ttlMs: null, waitMs: 0 },
+  'wait-lease': { path: '/scenarios/wait-lease', mode: 'lease', leaseMs: WAITING_MS, ttlMs: null, waitMs: WAITING_MS },
+  'wait-atomic': { path: '/scenarios/wait-atomic', mode: 'atomic', leaseMs: WAITING_MS, ttlMs: null, waitMs: WAITING_MS }
 }
 
 /** What a scenario operation sends besides amount and currency: the handler's timings. */

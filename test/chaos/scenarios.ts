@@ -32,6 +32,8 @@ export interface ScenarioClient {
   lockRecordsTable (op: Operation, holdMs: number): Promise<boolean>
   /** Cuts `instance` from the database for `ms`, recorded as an intervention. */
   partition (instance: AppInstance, op: Operation, ms: number): Promise<void>
+  /** Terminates `instance`'s settlement listener connection, recorded as an intervention. */
+  killListener (instance: AppInstance, op: Operation): Promise<void>
 }
 
 /** The handler's timings for one operation of `scenario`, drawn from the seeded sequence. */
@@ -47,8 +49,13 @@ export function scenarioParameters (scenario: Scenario, draw: Random): ScenarioP
     case 'steps-partition': return { pauseMs: 1_200 }
     case 'held': return {}
     case 'atomic-duplicate': return { delayMs: draw.int(300, 500) }
+    case 'wait-lease':
+    case 'wait-atomic': return { delayMs: draw.int(600, 900) }
   }
 }
+
+/** wait-lease and wait-atomic operations so far: every other one kills a listener while its duplicates wait. */
+let waitAcrossRuns = 0
 
 /** Runs one operation of `scenario` to its answer (or until the client gives up; the drain retries it). */
 export async function runScenario (scenario: Scenario, op: Operation, client: ScenarioClient): Promise<void> {
@@ -111,6 +118,31 @@ export async function runScenario (scenario: Scenario, op: Operation, client: Sc
       // The first attempt fails (500) and holds the key; retries get 409 until the reconciler completes it.
       await client.attempt(op, { instance: first })
       break
+    case 'wait-lease':
+    case 'wait-atomic': {
+      // The original on an instance with the pre-filter; 150–300 ms in, two duplicates on the
+      // instance without one (they reach the store, and wait for its settlement notice) and one on
+      // the third (it waits on the pre-filter's marker). Every other operation, the listener of the
+      // instance without a pre-filter is killed 100–200 ms after its duplicates began to wait: they
+      // read their record at once, poll, and the listener comes back.
+      const storeOnly = running.find((instance) => instance.storeOnly)
+      const withPrefilter = running.filter((instance) => !instance.storeOnly)
+      if (storeOnly === undefined || withPrefilter.length === 0) break
+      const origin = client.jitter.pick(withPrefilter)
+      const other = withPrefilter.find((instance) => instance !== origin) ?? storeOnly
+      const kill = waitAcrossRuns++ % 2 === 1
+      const late = jitter(150, 300)
+      await Promise.all([
+        client.attempt(op, { instance: origin }),
+        sleep(late).then(() => Promise.all([
+          client.attempt(op, { instance: storeOnly }),
+          client.attempt(op, { instance: storeOnly }),
+          client.attempt(op, { instance: other }),
+          kill ? sleep(jitter(100, 200)).then(() => client.killListener(storeOnly, op)) : undefined
+        ]))
+      ])
+      break
+    }
     case 'atomic-duplicate': {
       // First a lock that is not a duplicate's: the records table locked for 20–50 ms, as a busy
       // table's extension lock or a short DDL would be. The original's 1 ms lock wait times out on
