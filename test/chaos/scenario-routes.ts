@@ -17,7 +17,7 @@
  *   wait-lease       a handler of 600–900 ms on a route with `wait` (2 s); duplicates arrive on the
  *                    other instances and wait for it: woken by the store's settlement notice on the
  *                    instance without a pre-filter (whose listener connection is killed while they
- *                    wait, every other operation), by the pre-filter's copy on the other
+ *                    wait, in three operations of four), by the pre-filter's copy on the other
  *   wait-atomic      the same in atomic mode: its duplicates hold no connection while they wait
  *   atomic-duplicate atomic mode without `wait` (a claim's lock wait bounded by 1 ms): the handler
  *                    holds its transaction 300–500 ms on the instance without a pre-filter, and

@@ -54,7 +54,7 @@ export function scenarioParameters (scenario: Scenario, draw: Random): ScenarioP
   }
 }
 
-/** wait-lease and wait-atomic operations so far: every other one kills a listener while its duplicates wait. */
+/** wait-lease and wait-atomic operations so far: three in four kill a listener while their duplicates wait. */
 let waitAcrossRuns = 0
 
 /** Runs one operation of `scenario` to its answer (or until the client gives up; the drain retries it). */
@@ -122,15 +122,15 @@ export async function runScenario (scenario: Scenario, op: Operation, client: Sc
     case 'wait-atomic': {
       // The original on an instance with the pre-filter; 150–300 ms in, two duplicates on the
       // instance without one (they reach the store, and wait for its settlement notice) and one on
-      // the third (it waits on the pre-filter's marker). Every other operation, the listener of the
-      // instance without a pre-filter is killed 100–200 ms after its duplicates began to wait: they
-      // read their record at once, poll, and the listener comes back.
+      // the third (it waits on the pre-filter's marker). In three operations of four, the listener of
+      // the instance without a pre-filter is killed 100–200 ms after its duplicates began to wait:
+      // they read their record at once, poll, and the listener comes back.
       const storeOnly = running.find((instance) => instance.storeOnly)
       const withPrefilter = running.filter((instance) => !instance.storeOnly)
       if (storeOnly === undefined || withPrefilter.length === 0) break
       const origin = client.jitter.pick(withPrefilter)
       const other = withPrefilter.find((instance) => instance !== origin) ?? storeOnly
-      const kill = waitAcrossRuns++ % 2 === 1
+      const kill = waitAcrossRuns++ % 4 !== 0
       const late = jitter(150, 300)
       await Promise.all([
         client.attempt(op, { instance: origin }),
