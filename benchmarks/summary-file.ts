@@ -60,7 +60,20 @@ export interface ReferenceSide { tableBytes: number, bodyBytesPerRecord: number,
 /** `ratios`: by reference over full response. */
 export interface ReferenceSection { records: number, responseBytes: number, full: ReferenceSide, ref: ReferenceSide, ratios: { tableBytes: number, fresh: number, replay: number } }
 
-export interface Summary { load?: LoadSection, memory?: MemorySection, claimForms?: ClaimFormsSection, fingerprint?: FingerprintSection, reference?: ReferenceSection }
+/** bench:storm (storm.ts): duplicates that wait for their original across instances, per mode. */
+export interface StormFigures {
+  mode: 'lease' | 'atomic'
+  duplicates: number
+  handlerMs: number
+  handlerRuns: number
+  statuses: Record<string, number>
+  commitToAnswer: { p50: number, p99: number, max: number }
+  statementsPerWaiter: number
+  otherRoute: { p99Alone: number, p99DuringStorm: number, ratio: number, requestsDuringStorm: number }
+}
+export interface StormSection { instances: number, pool: number, results: StormFigures[] }
+
+export interface Summary { load?: LoadSection, memory?: MemorySection, claimForms?: ClaimFormsSection, fingerprint?: FingerprintSection, reference?: ReferenceSection, storm?: StormSection }
 
 const RESULTS = fileURLToPath(new URL('./results/', import.meta.url))
 export const SUMMARY = path.join(RESULTS, 'summary.json')

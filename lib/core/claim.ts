@@ -153,6 +153,8 @@ async function claimLoop (engine: Engine, state: RequestState, claim: ClaimReque
   // duplicate waits here, holding nothing (claimInTransaction's `answerAtOnce`).
   const answerAtOnce = settings.transaction && settings.wait >= UNSEEN_RECHECK_MS
   let recheckedUnseen = false
+  /** Woken by a settlement of the key: in atomic mode, the record is read before any claim (readSettled). */
+  let woken = false
   for (let round = 0; ; round++) {
     let held: ClaimInProgress | ClaimCompleted
     // Markers only matter to duplicates that wait: a route that does not wait sets none.
@@ -168,7 +170,10 @@ async function claimLoop (engine: Engine, state: RequestState, claim: ClaimReque
       const askedAt = performance.now()
       let result: ClaimResult
       try {
-        if (settings.transaction) {
+        const settled = woken && settings.transaction ? await readSettled(engine, state) : null
+        if (settled !== null) {
+          result = settled
+        } else if (settings.transaction) {
           const waitMs = answerAtOnce ? 0 : Math.max(0, deadline - Date.now())
           result = await bounded('claim', settings.storeTimeout + waitMs, () => claimInTransaction(engine, claim, waitMs, answerAtOnce), giveBackLate(engine, state))
         } else {
@@ -207,7 +212,7 @@ async function claimLoop (engine: Engine, state: RequestState, claim: ClaimReque
       recheckedUnseen = true
       pause = Math.min(pause, UNSEEN_RECHECK_MS)
     }
-    await engine.waiters.wait(localId(state.scope, state.key), pause)
+    woken = await engine.waiters.wait(localId(state.scope, state.key), pause)
     poll = Math.min(poll * 2, MAX_POLL_MS)
   }
 }
@@ -225,6 +230,17 @@ function pauseFor (engine: Engine, held: ClaimInProgress, poll: number, remainin
   if (!engine.waiters.live) return Math.min(poll, remaining)
   const untilLapse = held.leaseRemainingMs > 0 ? held.leaseRemainingMs + LAPSE_MARGIN_MS : Infinity
   return Math.min(remaining, untilLapse, NOTICED_POLL_MS)
+}
+
+/**
+ * Atomic mode, woken by a settlement of the key: most often the original committed its response,
+ * which one read answers; a claim in a transaction costs several statements and a pooled
+ * connection for a moment. Null when the record is not completed (released, held, expired or not
+ * yet visible): the caller claims.
+ */
+async function readSettled (engine: Engine, state: RequestState): Promise<ClaimCompleted | null> {
+  const record = await bounded('claim', state.settings.storeTimeout, () => engine.store.get({ scope: state.scope, key: state.key }), () => {})
+  return record?.state === 'completed' ? { outcome: 'completed', fingerprint: record.fingerprint, response: record.response } : null
 }
 
 /**

@@ -9,7 +9,7 @@ import type { IdempotencyStore } from './store.js'
  * them, a watch lost and not yet back), waiters poll the store.
  */
 export class Waiters {
-  readonly #waiting = new Map<string, Set<() => void>>()
+  readonly #waiting = new Map<string, Set<(settled: boolean) => void>>()
   /** The ids waited for, by settlement digest (what a notice names); kept only while a watch is open. */
   readonly #byDigest = new Map<string, string>()
   #store: IdempotencyStore | null = null
@@ -48,7 +48,7 @@ export class Waiters {
           this.#live = flowing
           // Either way every waiter reads its record once more: a notice may have been missed while
           // the watch was down, and a waiter sleeping on notices must start polling now.
-          for (const id of [...this.#waiting.keys()]) this.notify(id)
+          for (const id of [...this.#waiting.keys()]) this.notify(id, false)
         }
       })
     } catch {
@@ -60,8 +60,11 @@ export class Waiters {
     for (const id of this.#waiting.keys()) this.#byDigest.set(digestOf(id), id)
   }
 
-  /** Resolves when `id` is settled (here, or anywhere while notices flow) or after `ms`, whichever comes first. */
-  wait (id: string, ms: number): Promise<void> {
+  /**
+   * Resolves when `id` is settled (here, or anywhere while notices flow) or after `ms`, whichever
+   * comes first: true when woken by a settlement, false when the time ran out.
+   */
+  wait (id: string, ms: number): Promise<boolean> {
     return new Promise((resolve) => {
       let set = this.#waiting.get(id)
       if (set === undefined) {
@@ -70,24 +73,25 @@ export class Waiters {
         if (this.#stopWatch !== null) this.#byDigest.set(digestOf(id), id)
       }
       const waiting = set
-      const wake = (): void => {
+      const wake = (settled: boolean): void => {
         clearTimeout(timer)
         waiting.delete(wake)
         if (waiting.size === 0 && this.#waiting.get(id) === waiting) {
           this.#waiting.delete(id)
           if (this.#byDigest.size > 0) this.#byDigest.delete(digestOf(id))
         }
-        resolve()
+        resolve(settled)
       }
-      const timer = setTimeout(wake, ms)
+      const timer = setTimeout(wake, ms, false)
       waiting.add(wake)
     })
   }
 
-  notify (id: string): void {
+  /** `id` settled: its waiters wake. `settled` false: they only read their record again (a watch came or went). */
+  notify (id: string, settled = true): void {
     const set = this.#waiting.get(id)
     if (set === undefined) return
-    for (const wake of [...set]) wake()
+    for (const wake of [...set]) wake(settled)
   }
 
   /** Stops the watch (the registration or runner closed); waiters poll from then on. */

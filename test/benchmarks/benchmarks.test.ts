@@ -40,7 +40,7 @@ const SCENARIOS = scenarios(false, 5)
 t.test('the committed summary holds every section, under 100 KB, and the published chart is drawn from it', async (t) => {
   t.ok(statSync(SUMMARY).size < 100 * 1024, `${statSync(SUMMARY).size} bytes`)
   const summary = readSummary(SUMMARY)
-  t.same(Object.keys(summary).sort(), ['claimForms', 'fingerprint', 'load', 'memory', 'reference'])
+  t.same(Object.keys(summary).sort(), ['claimForms', 'fingerprint', 'load', 'memory', 'reference', 'storm'])
   t.same(Object.keys(summary.load!.scenarios), SCENARIOS.map((s) => s.name), 'every scenario of npm run bench')
   for (const scenario of SCENARIOS) t.same(Object.keys(summary.load!.scenarios[scenario.name]!.setups), scenario.setups, `${scenario.name}: every setup`)
   t.ok(evaluateTargets(summary).every((target) => target.met !== null), 'every target has its figure')
@@ -115,4 +115,24 @@ t.test('npm run bench:claim-forms -- --quick compares the claim forms and checks
   // The upsert writes a row version per duplicate. (WAL is the whole server's, which other test
   // files share: only a lower bound can be asserted here.)
   t.ok(result.walBytesPerDuplicate.upsert! > 100, `upsert: ${result.walBytesPerDuplicate.upsert} WAL bytes per duplicate`)
+})
+
+t.test('npm run bench:storm -- --quick: one run for a storm of waiting duplicates, each replayed, and what a waiter cost', async (t) => {
+  if (process.env.DATABASE_URL === undefined) return t.fail('DATABASE_URL must be set (npm test sets it)')
+  // The script throws (exit ≠ 0) when the handler ran more than once or a duplicate was not answered 2xx.
+  const { code, output } = await run('benchmarks/storm.ts', ['--out', out])
+  t.equal(code, 0, 'exit 0', { output: output.slice(-2000) })
+  const storm = readSummary(out).storm!
+  t.same(storm.results.map((result) => result.mode), ['lease', 'atomic'])
+  for (const result of storm.results) {
+    t.equal(result.handlerRuns, 1, `${result.mode}: the handler ran once`)
+    t.same(result.statuses, { 200: 30 }, `${result.mode}: 30 duplicates, each answered`)
+    t.ok(result.commitToAnswer.p99 >= 0, `${result.mode}: every waiter answered after the original committed (p99 ${result.commitToAnswer.p99} ms)`)
+  }
+  // Lease mode: each waiter's claim, then its claim once woken, whatever the wait. Atomic mode:
+  // a claim in a transaction (5 statements), one more 100 ms later on another instance than the
+  // original's, then one read once woken: 9.3 on average over the three instances.
+  const [lease, atomic] = storm.results
+  t.equal(lease?.statementsPerWaiter, 2, 'lease mode: 2 statements per waiter')
+  t.ok(atomic !== undefined && atomic.statementsPerWaiter <= 10, `atomic mode: ${atomic?.statementsPerWaiter} statements per waiter`)
 })
