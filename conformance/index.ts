@@ -1,6 +1,7 @@
 import assert from 'node:assert/strict'
 import { createHash, randomUUID } from 'node:crypto'
 import type { ClaimResult, Fingerprint, IdempotencyStore, StoredResponse } from '../lib/core/store.js'
+import { settlementDigest } from '../lib/core/waiters.js'
 
 /**
  * Registers one test. node:test's `test` fits as it is; with tap, pass `(name, fn) => t.test(name, fn)`.
@@ -264,6 +265,34 @@ export function runConformance (options: ConformanceOptions): void {
     await sleep(250) // past the first claim's ttl and the takeover's own
     assert.equal((await store.get({ scope: 's', key: other }))?.state, 'in_progress', 'the new owner\'s lease keeps the record')
     assert.equal(await store.complete(takeover.lease, response, LONG), true)
+  })
+
+  // `watchSettlements` is optional: a driver without it has nothing to check here (its waiters poll).
+  withStore('a watcher is told of the completion and the release of a record claimed with announce', async (store) => {
+    if (typeof store.watchSettlements !== 'function') return
+    const settled: string[] = []
+    let live = false
+    const stop = store.watchSettlements({ settled: (digest) => { settled.push(digest) }, live: (flowing) => { live = flowing } })
+    try {
+      for (let i = 0; i < 500 && !live; i++) await sleep(10)
+      assert.equal(live, true, 'the watch reports itself live within 5 s')
+      const until = async (digest: string): Promise<boolean> => {
+        for (let i = 0; i < 200 && !settled.includes(digest); i++) await sleep(10)
+        return settled.includes(digest)
+      }
+      const completed = fresh()
+      const first = await store.claim({ scope: 's', key: completed, fingerprint: A, leaseMs: LONG, ttlMs: LONG, announce: true })
+      if (first.outcome !== 'acquired') assert.fail('not acquired')
+      assert.equal(await store.complete(first.lease, response, LONG), true)
+      assert.ok(await until(settlementDigest('s', completed)), 'the completion was noticed, by the record\'s digest')
+      const released = fresh()
+      const second = await store.claim({ scope: 's', key: released, fingerprint: A, leaseMs: LONG, ttlMs: LONG, announce: true })
+      if (second.outcome !== 'acquired') assert.fail('not acquired')
+      assert.equal(await store.release(second.lease), true)
+      assert.ok(await until(settlementDigest('s', released)), 'the release was noticed')
+    } finally {
+      stop()
+    }
   })
 
   // lib/core/store.ts, the second expiry rule. `hold` is optional: a driver without it has nothing to check here.
