@@ -157,12 +157,16 @@ async function claimLoop (engine: Engine, state: RequestState, claim: ClaimReque
   let woken = false
   for (let round = 0; ; round++) {
     let held: ClaimInProgress | ClaimCompleted
-    // Markers only matter to duplicates that wait: a route that does not wait sets none.
+    // Markers only matter to duplicates that wait: a route that does not wait sets none. Woken by a
+    // settlement, a duplicate that still finds the marker asks the store: the pre-filter's copy of
+    // the outcome may not be written yet.
     const hit = engine.prefilter === null ? null : await consultPrefilter(engine, state, fingerprint, round === 0 && settings.wait > 0)
     if (hit?.state === 'completed') {
       held = { outcome: 'completed', fingerprint: hit.fingerprint, response: hit.response }
-    } else if (hit?.state === 'in_progress' && deadline - Date.now() > 0 && isFingerprint(matchOf(engine, state, hit.fingerprint, fingerprint))) {
-      await engine.waiters.wait(localId(state.scope, state.key), Math.min(poll, deadline - Date.now()))
+    } else if (hit?.state === 'in_progress' && !woken && deadline - Date.now() > 0 && isFingerprint(matchOf(engine, state, hit.fingerprint, fingerprint))) {
+      // A marker says nothing of the owner's lease: while notices flow, the settlement wakes it.
+      const remaining = deadline - Date.now()
+      woken = await engine.waiters.wait(localId(state.scope, state.key), engine.waiters.live ? Math.min(remaining, NOTICED_POLL_MS) : Math.min(poll, remaining))
       poll = Math.min(poll * 2, MAX_POLL_MS)
       continue
     } else {
