@@ -82,6 +82,12 @@ function suite (url: string): void {
         WHEN (NEW.key LIKE 'complete-%') EXECUTE FUNCTION ${q('wait_for_gate')}('1')`)
       await admin.unsafe(`CREATE CONSTRAINT TRIGGER commit_waits AFTER INSERT ON ${q('payments')} DEFERRABLE INITIALLY DEFERRED
         FOR EACH ROW WHEN (NEW.key LIKE 'commit-%') EXECUTE FUNCTION ${q('wait_for_gate')}('2')`)
+      // A claim of a key listed here sleeps inside its INSERT: a statement in flight that no lock
+      // bound (the claim's lock_timeout) cuts short, for as long as the test needs to end its connection.
+      await admin.unsafe(`CREATE TABLE ${q('slow_claims')} (key text PRIMARY KEY)`)
+      await admin.unsafe(`CREATE FUNCTION ${q('sleep_in_claim')}() RETURNS trigger LANGUAGE plpgsql AS $$
+        BEGIN IF EXISTS (SELECT 1 FROM ${q('slow_claims')} WHERE key = NEW.key) THEN PERFORM pg_sleep(30); END IF; RETURN NEW; END $$`)
+      await admin.unsafe(`CREATE TRIGGER claim_sleeps BEFORE INSERT ON ${q('records')} FOR EACH ROW EXECUTE FUNCTION ${q('sleep_in_claim')}()`)
     }
   })
 
@@ -232,15 +238,21 @@ function suite (url: string): void {
     t.equal(app.death, null, 'the process never died')
   }
 
-  t.test('(a) terminated during the claim (blocked on a lock): 503 store-unavailable, nothing committed', async (t) => {
+  /** Claims of `key` sleep in their INSERT until `release()`. */
+  async function slowClaims (key: string): Promise<{ release (): Promise<void> }> {
+    await admin.unsafe(`INSERT INTO ${q('slow_claims')} (key) VALUES ($1)`, [key])
+    return { release: async () => { await admin.unsafe(`DELETE FROM ${q('slow_claims')} WHERE key = $1`, [key]) } }
+  }
+  const sleepingInClaim = (backend: Backend): boolean => backend.wait_event_type === 'Timeout' && /INSERT/i.test(backend.query)
+
+  t.test('(a) terminated during the claim (its statement in flight): 503 store-unavailable, nothing committed', async (t) => {
     const app = await start(t, 'claim')
-    // The claim's INSERT needs ROW EXCLUSIVE on the records table: it waits (up to `wait`) here.
-    const lock = await holdGate(`LOCK TABLE ${q('records')} IN EXCLUSIVE MODE`)
+    const slow = await slowClaims('claim')
     const answer = pay(app, 'claim')
-    const pid = await backendWhere(app, 'waiting on a lock', (backend) => backend.wait_event_type === 'Lock')
+    const pid = await backendWhere(app, 'sleeping in its claim', sleepingInClaim)
     await terminate(t, pid)
     const response = await answer
-    await lock.release()
+    await slow.release()
     t.same([response.status, response.type], [503, 'store-unavailable'], 'the claim could not be made')
     t.same(await rowsOf('claim'), [], 'the handler never ran')
     await afterwards(t, app, 'claim', pid)
@@ -251,9 +263,9 @@ function suite (url: string): void {
     // the socket (so the client still looks queryable), and the pool hands a released client to
     // the first request in its queue at once: only release(err) keeps the dead one from it.
     const app = await start(t, 'handed-on', url, { IDEM_POOL_MAX: '1' })
-    const lock = await holdGate(`LOCK TABLE ${q('records')} IN EXCLUSIVE MODE`)
+    const slow = await slowClaims('handed-on')
     const first = pay(app, 'handed-on')
-    const pid = await backendWhere(app, 'waiting on a lock', (backend) => backend.wait_event_type === 'Lock')
+    const pid = await backendWhere(app, 'sleeping in its claim', sleepingInClaim)
     const second = pay(app, 'handed-on-waiting')
     let waiting = 0
     for (let i = 0; i < 500 && waiting === 0; i++) {
@@ -262,7 +274,7 @@ function suite (url: string): void {
     }
     t.equal(waiting, 1, 'a second request waits for the pool\'s only connection')
     await terminate(t, pid)
-    await lock.release()
+    await slow.release()
     const [dropped, next] = await Promise.all([first, second])
     t.same([dropped.status, dropped.type], [503, 'store-unavailable'], 'the dropped claim')
     t.same([next.status, next.type], [201, null], 'the waiting request commits')
