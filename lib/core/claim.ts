@@ -151,7 +151,7 @@ async function claimLoop (engine: Engine, state: RequestState, claim: ClaimReque
   // Atomic mode on a route that waits long enough: the claim never waits on another transaction's
   // lock (it would hold a pooled connection all the while); it reports the key taken, and the
   // duplicate waits here, holding nothing (claimInTransaction's `answerAtOnce`).
-  const answerAtOnce = settings.transaction && settings.wait >= UNSEEN_RECHECK_MS
+  let answerAtOnce = settings.transaction && settings.wait >= UNSEEN_RECHECK_MS
   let recheckedUnseen = false
   /** Woken by a settlement of the key: in atomic mode, the record is read before any claim (readSettled). */
   let woken = false
@@ -207,7 +207,16 @@ async function claimLoop (engine: Engine, state: RequestState, claim: ClaimReque
     const decided = decideHeld(engine, state, held, fingerprint)
     if (decided !== null) return decided
     const remaining = deadline - Date.now()
-    if (remaining <= 0) return refuseInProgress(engine, state)
+    if (remaining <= 0) {
+      // The wait is over and no claim could read what was in the way. A 409 says a duplicate is in
+      // flight, so one last claim makes sure of it as a route without `wait` does: a lock that was no
+      // claim's is waited out within 100 ms (drivers/postgres/transaction.ts), a duplicate's is not.
+      if (answerAtOnce && (held as ClaimInProgress).unseen === true) {
+        answerAtOnce = false
+        continue
+      }
+      return refuseInProgress(engine, state)
+    }
     let pause = pauseFor(engine, held as ClaimInProgress, poll, remaining)
     // The record in the way could not be read: another process's uncommitted claim, or a lock that
     // was no claim's (a table's extension lock, DDL), gone in a moment. Once, the claim is tried

@@ -1,8 +1,9 @@
+import diagnostics from 'node:diagnostics_channel'
 import Fastify, { type FastifyInstance } from 'fastify'
 import postgres from 'postgres'
 import t, { type Test } from 'tap'
 import idempotency, { type IdempotencyStore } from '../../lib/index.js'
-import { postgresStore } from '../../drivers/postgres/index.js'
+import { LOCK_TIMEOUT_CHANNEL, postgresStore, type LockTimeoutEvent } from '../../drivers/postgres/index.js'
 import { CLIENT_NAME, endPools, exec, storeConnection } from '../helpers/postgres-clients.js'
 import { postgresSchema } from '../helpers/postgres-schema.js'
 import { sleep } from '../helpers/sleep.js'
@@ -52,7 +53,7 @@ function suite (url: string): void {
     post (instance: Instance, key: string): Promise<{ status: number, replayed: boolean, body: string }>
   }
 
-  async function world (t: Test): Promise<World> {
+  async function world (t: Test, wait = 20_000): Promise<World> {
     const table = `records_${++tables}`
     const runs = { count: 0 }
     const instances: Instance[] = []
@@ -82,7 +83,7 @@ function suite (url: string): void {
         }
       }
       const app = Fastify()
-      await app.register(idempotency, { store: counted, scope: () => 'acct', transaction: true, wait: 20_000 })
+      await app.register(idempotency, { store: counted, scope: () => 'acct', transaction: true, wait })
       app.post<{ Body: { amount: number } }>('/pay', async (request) => {
         const step = w.plan[runs.count] ?? {}
         const run = ++runs.count
@@ -181,5 +182,37 @@ function suite (url: string): void {
     t.equal(answers.filter((answer) => !answer.replayed).length, 1, 'one fresh answer')
     t.equal(new Set(answers.map((answer) => answer.body)).size, 1, 'the others replay it')
     t.equal(await payments('storm-2'), 1, 'one payment row: the waiter\'s')
+  })
+
+  t.test(`a lock that is no claim's, held past the whole wait, gets no 409: the last claim waits it out (${CLIENT_NAME})`, async (t) => {
+    // The class: a claim answered "in progress" when no attempt of the key holds it. Every claim of
+    // a waiting route gives up on a lock after 1 ms; the one made when the wait is over tries once
+    // more with 100 ms, as a route without wait does, so a lock that was nobody's claim is waited out.
+    const w = await world(t, 300)
+    const [a] = w.instances
+    const retried: LockTimeoutEvent[] = []
+    const listener = (message: unknown): void => { if ((message as LockTimeoutEvent).key === 'locked-1' && (message as LockTimeoutEvent).then === 'retry') retried.push(message as LockTimeoutEvent) }
+    diagnostics.subscribe(LOCK_TIMEOUT_CHANNEL, listener)
+    t.teardown(() => { diagnostics.unsubscribe(LOCK_TIMEOUT_CHANNEL, listener) })
+    const release = gate()
+    const locked = gate()
+    const locker = sql.begin(async (tx) => {
+      await tx`LOCK TABLE ${tx(schema)}.${tx(w.table)} IN ACCESS EXCLUSIVE MODE`
+      locked.open()
+      await release.promise
+    })
+    await locked.promise
+    const started = Date.now()
+    const answer = w.post(a, 'locked-1')
+    // Held through the whole wait (300 ms), until the last claim tries again with the longer bound.
+    for (let i = 0; i < 2_000 && retried.length === 0; i++) await sleep(2)
+    t.ok(Date.now() - started >= 300, `the lock was held through the wait (${Date.now() - started} ms)`)
+    t.equal(retried.length, 1, 'the last claim tried again with the longer bound')
+    release.open()
+    await locker
+    const response = await answer
+    t.equal(response.status, 200, 'the request ran: nobody held its key')
+    t.equal(w.runs.count, 1)
+    t.equal(await payments('locked-1'), 1)
   })
 }
