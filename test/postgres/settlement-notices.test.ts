@@ -1,7 +1,9 @@
 import Fastify, { type FastifyInstance } from 'fastify'
+import { Redis } from 'ioredis'
 import t, { type Test } from 'tap'
 import idempotency, { settlementDigest, type IdempotencyStore } from '../../lib/index.js'
 import { postgresStore, type BackgroundTask, type PostgresStore } from '../../drivers/postgres/index.js'
+import { redisPrefilter, type RedisPrefilter } from '../../drivers/redis/index.js'
 import { settlementChannel } from '../../drivers/postgres/settlements.js'
 import { CLIENT_NAME, endPools, storeConnection } from '../helpers/postgres-clients.js'
 import { postgresSchema } from '../helpers/postgres-schema.js'
@@ -37,6 +39,7 @@ function suite (url: string): void {
     /** Claims this instance sent to its store. */
     claims: number
     readonly background: Array<[BackgroundTask, string]>
+    readonly prefilter: RedisPrefilter | null
   }
 
   interface World {
@@ -48,8 +51,9 @@ function suite (url: string): void {
     post (instance: Instance, key: string): Promise<{ status: number, replayed: boolean, body: string, at: number }>
   }
 
-  async function world (t: Test, options: { wait: number, instances?: number }): Promise<World> {
+  async function world (t: Test, options: { wait: number, instances?: number, redis?: Redis }): Promise<World> {
     const table = `records_${++tables}`
+    const prefix = `notices-${process.pid}-${tables}`
     const runs = { count: 0 }
     const w: World = {
       table,
@@ -67,7 +71,8 @@ function suite (url: string): void {
       if (i === 0) await store.migrate()
       const counted: IdempotencyStore = { ...store, claim: (request) => { instance.claims++; return store.claim(request) } }
       const app = Fastify()
-      await app.register(idempotency, { store: counted, scope: () => 'acct', lease: 60_000, wait: options.wait })
+      const prefilter = options.redis === undefined ? null : redisPrefilter({ client: options.redis, prefix, timeout: 1_000 })
+      await app.register(idempotency, { store: counted, ...(prefilter === null ? {} : { prefilter }), scope: () => 'acct', lease: 60_000, wait: options.wait })
       app.post('/pay', async () => {
         const step = w.plan[runs.count] ?? { ms: 0 }
         const run = ++runs.count
@@ -76,7 +81,7 @@ function suite (url: string): void {
         return { run }
       })
       await app.ready()
-      const instance: Instance = { app, store, claims: 0, background }
+      const instance: Instance = { app, store, claims: 0, background, prefilter }
       w.instances.push(instance)
       t.teardown(async () => { await app.close(); await store.close() })
     }
@@ -203,5 +208,31 @@ function suite (url: string): void {
     await quiet.post(quiet.instances[0] as Instance, 'quiet')
     await sleep(200)
     t.same(heard, [], 'a route that does not wait sends no notice')
+  })
+
+  t.test(`with the Redis pre-filter, a duplicate waits on the original's marker until the settlement wakes it (${CLIENT_NAME})`, async (t) => {
+    const redisUrl = process.env.REDIS_URL
+    if (redisUrl === undefined) return t.fail('REDIS_URL must be set (node scripts/test.mjs sets it)')
+    // A database of its own: other test files share the server and flush theirs.
+    const redis = new Redis(redisUrl, { maxRetriesPerRequest: 1, db: 5 })
+    t.teardown(() => { redis.disconnect() })
+    const w = await world(t, { wait: 20_000, redis })
+    const [a, b] = w.instances as [Instance, Instance]
+    w.plan = [{ ms: 800 }]
+    const original = w.post(a, 'pay-5')
+    await claimed(w.table, 'pay-5')
+    const before = b.prefilter?.stats as NonNullable<Instance['prefilter']>['stats']
+    const duplicate = await w.post(b, 'pay-5')
+    const first = await original
+    const after = b.prefilter?.stats as NonNullable<Instance['prefilter']>['stats']
+    t.match(duplicate, { status: 200, replayed: true, body: first.body }, 'the duplicate got the replay')
+    t.equal(w.runs.count, 1)
+    t.ok(duplicate.at - first.at < 1_000, `answered ${duplicate.at - first.at} ms after the original`)
+    // Its first look found the marker; woken by the settlement, its second found the copy (or, not
+    // written yet, the marker: then the store answered). Polling Redis every 10 to 250 ms through
+    // the original's 800 ms would have looked about 8 times.
+    const looks = after.hits + after.misses - before.hits - before.misses
+    t.ok(looks <= 3, `${looks} pre-filter lookups`)
+    t.ok(b.claims <= 1, `${b.claims} store claims`)
   })
 }
