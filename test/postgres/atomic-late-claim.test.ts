@@ -1,8 +1,9 @@
 import { randomBytes } from 'node:crypto'
+import diagnostics from 'node:diagnostics_channel'
 import Fastify, { type FastifyInstance } from 'fastify'
 import postgres from 'postgres'
 import t from 'tap'
-import idempotency from '../../lib/index.js'
+import idempotency, { DECISION_CHANNEL, type DecisionEvent } from '../../lib/index.js'
 import { postgresStore, type PostgresStore } from '../../drivers/postgres/index.js'
 import { CLIENT_NAME, endPools, exec, storeConnection } from '../helpers/postgres-clients.js'
 import { postgresSchema } from '../helpers/postgres-schema.js'
@@ -10,8 +11,8 @@ import { sleep } from '../helpers/sleep.js'
 
 /**
  * Atomic mode against a real PostgreSQL: a claim that lands after the request was already answered
- * (Fastify's handlerTimeout runs from routing, so it can answer while the claim waits on another
- * attempt's row lock) is rolled back at once. Left open, its transaction would hold a pooled
+ * (Fastify's handlerTimeout runs from routing, so it can answer while the duplicate waits for
+ * another attempt's uncommitted claim) is rolled back at once. Left open, its transaction would hold a pooled
  * connection and the row's lock for good ("idle in transaction"), and every retry of the key would
  * be answered 409. The node-postgres run: test/postgres/node-postgres/atomic-late-claim.test.ts.
  */
@@ -54,7 +55,7 @@ function suite (url: string): void {
     const instance = async (name: string, handlerTimeout?: number): Promise<FastifyInstance> => {
       const app = Fastify(handlerTimeout === undefined ? {} : { handlerTimeout })
       t.teardown(() => app.close())
-      // wait: a duplicate blocks on the original's row lock for up to a second.
+      // wait: a duplicate waits up to a second for the original to settle, then claims.
       await app.register(idempotency, { store, scope: () => 'acct', transaction: true, wait: 1000 })
       app.post<{ Body: { fail?: boolean } }>('/pay', async (request, reply) => {
         runs.push(name)
@@ -69,14 +70,25 @@ function suite (url: string): void {
     const original = await instance('original')
     const timed = await instance('timed', 150)
 
+    const givenBack: DecisionEvent[] = []
+    const onDecision = (message: unknown): void => {
+      const event = message as DecisionEvent
+      if (event.key === 'late' && event.outcome === 'released') givenBack.push(event)
+    }
+    diagnostics.subscribe(DECISION_CHANNEL, onDecision)
+    t.teardown(() => { diagnostics.unsubscribe(DECISION_CHANNEL, onDecision) })
+
     const first = original.inject({ method: 'POST', url: '/pay', headers: keyed('late'), payload: { fail: true } })
     await sleep(100)
-    // Blocks on the original's uncommitted claim; handlerTimeout answers it meanwhile.
+    // Waits for the original's uncommitted claim; handlerTimeout answers it meanwhile.
     const late = await timed.inject({ method: 'POST', url: '/pay', headers: keyed('late'), payload: { fail: true } })
     t.equal(late.statusCode, 503, 'the duplicate was answered by handlerTimeout while its claim waited')
-    // The original fails and rolls back: the waiting claim now acquires the key, for a request already answered.
+    // The original fails and rolls back: woken, the waiting claim now acquires the key, for a request already answered.
     release()
     t.equal((await first).statusCode, 500)
+    // Two keys given back: the original's, released after its handler threw, and the late claim's.
+    for (let i = 0; i < 250 && givenBack.length < 2; i++) await sleep(20)
+    t.equal(givenBack.length, 2, 'the late claim acquired the key after its request was answered, and gave it back')
     for (let i = 0; i < 100 && store.openTransactions > 0; i++) await sleep(20)
     t.equal(store.openTransactions, 0, 'the late claim\'s transaction was rolled back: none left open')
     t.equal(await idleInTransaction(), 0, 'no connection is left idle in a transaction')
