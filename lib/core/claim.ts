@@ -146,12 +146,13 @@ function acquired (engine: Engine, state: RequestState, result: ClaimAcquired, a
 async function claimLoop (engine: Engine, state: RequestState, claim: ClaimRequest): Promise<Decision> {
   const settings = state.settings
   let fingerprint = claim.fingerprint
-  const deadline = settings.wait > 0 ? Date.now() + settings.wait : 0
+  const wait = state.preferredWait === null ? settings.wait : Math.min(state.preferredWait, settings.wait)
+  const deadline = wait > 0 ? Date.now() + wait : 0
   let poll = FIRST_POLL_MS
   // Atomic mode on a route that waits long enough: the claim never waits on another transaction's
   // lock (it would hold a pooled connection all the while); it reports the key taken, and the
   // duplicate waits here, holding nothing (claimInTransaction's `answerAtOnce`).
-  let answerAtOnce = settings.transaction && settings.wait >= UNSEEN_RECHECK_MS
+  let answerAtOnce = settings.transaction && wait >= UNSEEN_RECHECK_MS
   let recheckedUnseen = false
   /** Woken by a settlement of the key: in atomic mode, the record is read before any claim (readSettled). */
   let woken = false

@@ -100,6 +100,11 @@ export abstract class RequestState implements Observed {
   enqueued = false
   /** The last step() call, so the next one runs after it settles (steps run in order). */
   stepChain: Promise<unknown> | null = null
+  /**
+   * How long the client is willing to wait for an original in flight, in ms (HTTP's `Prefer:
+   * wait`), or null: the route's `wait` applies. Never more than the route's `wait`.
+   */
+  preferredWait: number | null = null
   /** performance.now() when the request reached the plugin: decision latencies are measured from it. */
   readonly startedAt = performance.now()
 

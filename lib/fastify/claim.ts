@@ -8,6 +8,7 @@ import type { Fingerprint, StoredResponse } from '../core/store.js'
 import { isThenable } from '../core/thenable.js'
 import { answer, type HttpEngine } from '../http/engine.js'
 import { replyValue } from '../http/headers.js'
+import { appliedWait, preferredWait } from '../http/prefer.js'
 import { isReference, sendRebuilt } from '../http/reference.js'
 import { scopeOf } from '../http/scope.js'
 import type { FastifyRequestState } from './request-state.js'
@@ -33,6 +34,7 @@ export function claimRequest (engine: HttpEngine, request: FastifyRequest, reply
 
 function claimScoped (engine: HttpEngine, request: FastifyRequest, reply: FastifyReply, state: FastifyRequestState, scope: string): Claimed | Promise<Claimed> {
   state.scope = scope
+  if (state.settings.wait > 0) state.preferredWait = preferredWait(request.headers.prefer)
   let unkeyed: Fingerprint | Promise<Fingerprint>
   try {
     unkeyed = fingerprintOf(request, state)
@@ -65,14 +67,22 @@ function answerDecision (engine: HttpEngine, request: FastifyRequest, reply: Fas
       // The answer that went out is Fastify's to finish; the handler wrapper keeps the handler from running.
       return undefined
     case 'replay':
+      saidWait(reply, state)
       return replay(engine, request, reply, state, decision.response)
     case 'in-progress':
+      saidWait(reply, state)
       return answer(engine, null, reply, { kind: 'request-in-progress', retryAfter: state.settings.retryAfter })
     case 'mismatch':
+      saidWait(reply, state)
       return answer(engine, null, reply, { kind: 'key-reused' })
     case 'unavailable':
       return answer(engine, null, reply, { kind: 'store-unavailable', retryAfter: state.settings.retryAfter })
   }
+}
+
+/** A duplicate's answer tells a client that asked for a wait (`Prefer: wait`) the wait it got (RFC 7240 §3). */
+function saidWait (reply: FastifyReply, state: FastifyRequestState): void {
+  if (state.preferredWait !== null) reply.header('preference-applied', appliedWait(state.preferredWait, state.settings.wait))
 }
 
 /**

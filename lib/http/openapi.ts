@@ -80,7 +80,7 @@ const WHEN: Readonly<Record<RouteProblem, (settings: RouteSettings) => string>> 
   'key-reused': () => 'The key was already used for a different request (method, target or body); the first request\'s ' +
     `outcome is kept, and is still replayed to that request (${DRAFT} §2.7).`,
   'request-in-progress': (settings) => 'A request with the same key is still being processed' +
-    (settings.wait > 0 ? ` after waiting ${duration(settings.wait)} for it` : '') +
+    (settings.wait > 0 ? ` after waiting ${duration(settings.wait)} for it (less when the request asked for less with \`Prefer: wait=N\`, RFC 7240)` : '') +
     ` (${DRAFT} §2.6, §2.7). Send the same request again after \`Retry-After\` seconds.`,
   'response-not-retained': () => 'The operation for this key completed, but its response was too large to be recorded, ' +
     'so it cannot be replayed; it is not executed again (`originalStatus` is its status).',

@@ -96,13 +96,13 @@ function suite (url: string): void {
     await nothingLeaked(t, w.store)
   })
 
-  t.test('409s: a duplicate of an uncommitted claim, at once (no wait) and after waiting on its lock', async (t) => {
+  t.test('409s: a duplicate of an uncommitted claim, at once (no wait) and after waiting for it', async (t) => {
     const w = await world(t)
     const original = pay(w.app, 'busy', { amount: 1, fail: 'hold' })
     await w.entered('busy')
     const atOnce = await Promise.all(Array.from({ length: 6 }, () => pay(w.app, 'busy', { amount: 1 })))
     t.same(atOnce.map((a) => a.statusCode), Array(6).fill(409))
-    // Blocked on the row lock until lock_timeout (the `wait` option), then 409.
+    // Waiting up to `wait` for the original, outside any transaction (no connection held), then 409.
     const waiting = Fastify()
     t.teardown(() => waiting.close())
     await waiting.register(idempotency, { store: w.store, scope: () => 'test', transaction: true, wait: 100 })
