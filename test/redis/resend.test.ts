@@ -57,8 +57,8 @@ if (REDIS_URL === '' || CLUSTER_NODES === '') {
 } else {
   const url = new URL(REDIS_URL)
   const nodes = clusterNodes(CLUSTER_NODES)
-  // Database 1, as test/redis/redis.test.ts: under a random prefix, beside it.
-  const standalone = new Redis(REDIS_URL, { db: 1 })
+  // A database of its own: test/redis/redis.test.ts flushes database 1 while the files beside it run.
+  const standalone = new Redis(REDIS_URL, { db: 4 })
   const cluster = new Cluster(nodes)
   t.teardown(() => {
     standalone.disconnect()
@@ -68,7 +68,7 @@ if (REDIS_URL === '' || CLUSTER_NODES === '') {
     ['standalone', {
       direct: standalone,
       targets: [{ host: url.hostname, port: Number(url.port || 6379) }],
-      behind: (dropper) => new Redis({ host: '127.0.0.1', port: dropper.ports[0], db: 1 })
+      behind: (dropper) => new Redis({ host: '127.0.0.1', port: dropper.ports[0], db: 4 })
     }],
     ['cluster', {
       direct: cluster,

@@ -404,7 +404,12 @@ function suite (url: string): void {
     const app = await start(t, 'idle')
     const first = await pay(app, 'idle-first')
     t.equal(first.status, 201)
-    const before = await state(app)
+    // The route waits, so the answer's settlement notice follows it on a pooled client: until it is back.
+    let before = await state(app)
+    for (let i = 0; i < 200 && before.idleCount === 0; i++) {
+      await sleep(10)
+      before = await state(app)
+    }
     t.ok(before.idleCount >= 1, `the pool keeps idle clients (${before.idleCount})`)
     const idle = (await backends(app)).filter((backend) => backend.state === 'idle')
     for (const backend of idle) await terminate(t, backend.pid)
