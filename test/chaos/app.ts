@@ -317,6 +317,16 @@ route(SCENARIO_ROUTES.held.path, 'held', scenarioOptions('held'), async (request
   throw new Error('chaos: the bank\'s answer after the charge was ambiguous (indeterminate failure)')
 })
 
+/** A ledger row in the request's transaction, then the transaction held `delayMs` (wait-atomic, atomic-duplicate). */
+async function heldLedgerWrite (request: FastifyRequest<{ Body: PaymentRequest }>, reply: FastifyReply, idem: IdempotencyContext): Promise<FastifyReply> {
+  const tx = idem.sql
+  if (tx === undefined) throw new Error('not in atomic mode')
+  const ref = randomUUID()
+  await exec(tx, 'INSERT INTO ledger (id, scope, key, amount) VALUES ($1, $2, $3, $4)', [ref, idem.scope, idem.key, request.body.amount])
+  await sleep(request.body.delayMs ?? 0)
+  return reply.code(201).send({ mode: 'atomic', scope: idem.scope, key: idem.key, amount: request.body.amount, ref })
+}
+
 // The wait-lease and wait-atomic scenarios: a charge (lease mode) or a ledger write (atomic mode), then a handler
 // slower than the moment its duplicates arrive on the other instances, which wait for it.
 route(SCENARIO_ROUTES['wait-lease'].path, 'wait-lease', { ...scenarioOptions('wait-lease'), waitMs: SCENARIO_ROUTES['wait-lease'].waitMs }, async (request, reply, idem) => {
@@ -324,25 +334,11 @@ route(SCENARIO_ROUTES['wait-lease'].path, 'wait-lease', { ...scenarioOptions('wa
   await sleep(request.body.delayMs ?? 0)
   return answer(reply, idem, request.body.amount, result.id)
 })
-route(SCENARIO_ROUTES['wait-atomic'].path, 'wait-atomic', { ...scenarioOptions('wait-atomic'), transaction: true, waitMs: SCENARIO_ROUTES['wait-atomic'].waitMs }, async (request, reply, idem) => {
-  const tx = idem.sql
-  if (tx === undefined) throw new Error('not in atomic mode')
-  const ref = randomUUID()
-  await exec(tx, 'INSERT INTO ledger (id, scope, key, amount) VALUES ($1, $2, $3, $4)', [ref, idem.scope, idem.key, request.body.amount])
-  await sleep(request.body.delayMs ?? 0)
-  return reply.code(201).send({ mode: 'atomic', scope: idem.scope, key: idem.key, amount: request.body.amount, ref })
-})
+route(SCENARIO_ROUTES['wait-atomic'].path, 'wait-atomic', { ...scenarioOptions('wait-atomic'), transaction: true, waitMs: SCENARIO_ROUTES['wait-atomic'].waitMs }, heldLedgerWrite)
 
 // The atomic-duplicate scenario: the same ledger write, then the transaction held `delayMs` while
 // duplicates arrive; the route has no `wait`, so their claims' lock waits are bounded by 1 ms.
-route(SCENARIO_ROUTES['atomic-duplicate'].path, 'atomic-duplicate', { ...scenarioOptions('atomic-duplicate'), transaction: true, waitMs: SCENARIO_ROUTES['atomic-duplicate'].waitMs }, async (request, reply, idem) => {
-  const tx = idem.sql
-  if (tx === undefined) throw new Error('not in atomic mode')
-  const ref = randomUUID()
-  await exec(tx, 'INSERT INTO ledger (id, scope, key, amount) VALUES ($1, $2, $3, $4)', [ref, idem.scope, idem.key, request.body.amount])
-  await sleep(request.body.delayMs ?? 0)
-  return reply.code(201).send({ mode: 'atomic', scope: idem.scope, key: idem.key, amount: request.body.amount, ref })
-})
+route(SCENARIO_ROUTES['atomic-duplicate'].path, 'atomic-duplicate', { ...scenarioOptions('atomic-duplicate'), transaction: true, waitMs: SCENARIO_ROUTES['atomic-duplicate'].waitMs }, heldLedgerWrite)
 
 app.get('/health', async () => ({ instance: settings.instance, now: Date.now() }))
 
