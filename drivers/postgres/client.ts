@@ -29,15 +29,9 @@ export interface TransactionConnection extends Queryable {
   /** Set the moment the client reports this connection gone; from then on nothing is sent on it. */
   readonly connection: ConnectionState
   /**
-   * `statement` with `before` ahead of it and `after` behind it, in that order on the wire: one
-   * round trip where the client pipelines (postgres.js), three in a row where it does not
-   * (node-postgres queues one query at a time). `before` and `after` take no parameters.
-   */
-  around<T> (before: string, statement: () => Promise<T>, after: string): Promise<T>
-  /**
    * The handle given to the application (atomic mode's `request.idempotency.sql`, a transactional
    * step's argument): the client's own transaction type (see {@link Guard}). Recognised by
-   * {@link DatabaseClient.connectionOf}. Once its guard has ended, `query`, `around` and `simple`
+   * {@link DatabaseClient.connectionOf}. Once its guard has ended, `query` and `simple`
    * wait for the handle's queries still in flight to be answered and checked before they send
    * anything, so the driver's own statements never share the wire with the handle's.
    */
@@ -89,15 +83,20 @@ export interface Ended {
   readonly released: boolean
 }
 
+/** The custom setting that marks the driver's transaction (TRANSACTION_MARK, TRANSACTION_PROBE). */
+export const MARK_SETTING = 'fastify_idempotency.transaction'
+
 /**
- * Sent in every transaction that hands out a guarded handle, before the handle's first query. A
+ * Sent in every transaction that hands out a guarded handle, before the handle's first query,
+ * unless the transaction's own first statement set it already (atomic mode's claim, with
+ * `set_config(MARK_SETTING, 'open', true)`, the same as SET LOCAL: statements.ts). A
  * setting made with SET LOCAL lasts "only till the end of the current transaction" (PostgreSQL
  * docs, SET), also when COMMIT AND CHAIN or ROLLBACK AND CHAIN starts a new one right away (the
  * chain keeps the transaction's characteristics, isolation level and access mode, not its
  * settings), and ROLLBACK TO SAVEPOINT keeps it (it only undoes what came after the savepoint).
  * A custom setting (its name has a dot) needs no extension; SET LOCAL is also what Citus forwards.
  */
-export const TRANSACTION_MARK = "set local fastify_idempotency.transaction = 'open'"
+export const TRANSACTION_MARK = `set local ${MARK_SETTING} = 'open'`
 
 /**
  * Its first column is true exactly while the connection is still inside the transaction that sent
@@ -119,7 +118,7 @@ export const TRANSACTION_MARK = "set local fastify_idempotency.transaction = 'op
  * idle; a failed PREPARE TRANSACTION "becomes a ROLLBACK"). `now() = statement_timestamp()` would
  * not do alone: in a chained transaction both still differ, as in the driver's own.
  */
-export const TRANSACTION_PROBE = "select current_setting('fastify_idempotency.transaction', true) = 'open', now() = statement_timestamp()"
+export const TRANSACTION_PROBE = `select current_setting('${MARK_SETTING}', true) = 'open', now() = statement_timestamp()`
 
 /** SQLSTATE in_failed_sql_transaction: the probe's answer inside an aborted (still open) transaction. */
 export const IN_FAILED_TRANSACTION = '25P02'
@@ -163,7 +162,8 @@ export const endedBy = (how: string, cause?: unknown): Error =>
 
 export interface TransactionHooks {
   readonly commitSent?: () => void
-  readonly prelude?: string
+  /** The body's first statement sets MARK_SETTING itself: TRANSACTION_MARK is not sent. */
+  readonly marked?: boolean
 }
 
 /** A connection of its own that LISTENs on one channel (settlements.ts). */
@@ -202,9 +202,6 @@ export interface DatabaseClient extends Queryable {
    * included; the promise then rejects with the connection's error. The same once the client has
    * taken the connection back (Ended.released): the promise rejects with what the body threw, or
    * an error if it returned. `commitSent` is called just before COMMIT.
-   * `prelude` (no parameters) is sent right after BEGIN, in the same round trip where the client
-   * does not pipeline (node-postgres: one simple query `BEGIN; TRANSACTION_MARK; prelude`); a first
-   * `around(prelude, …)` then does not send it again.
    */
   transaction<T> (body: (tx: TransactionConnection) => Promise<T>, hooks?: TransactionHooks): Promise<T>
   /** The connection behind a handle from `guarded()`, or null for anything else. */

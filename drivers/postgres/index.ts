@@ -10,7 +10,6 @@ import '../../lib/fastify/types.js'
 
 export { postgresStore, type PostgresStore } from './store.js'
 export { migrate } from './schema.js'
-export { LOCK_TIMEOUT_CHANNEL, type LockTimeoutEvent } from './transaction.js'
 export type {
   BackgroundTask, NodePostgresPoolLike, PostgresClient, PostgresStoreOptions, TableOptions
 } from './options.js'

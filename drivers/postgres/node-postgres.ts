@@ -130,12 +130,10 @@ export function nodePostgresClient (pool: NodePostgresPool): DatabaseClient {
   const handles = new WeakMap<object, Queryable>()
 
   /**
-   * `prelude`: what was sent with BEGIN (hooks.prelude), still to be skipped by a first around().
    * `endHandle` ends the guarded handle's part, if one was given out (transaction(): before COMMIT
    * or ROLLBACK, so none of its queries, still waiting in its own line, is sent after them).
    */
-  function transactionConnection (client: NodePostgresPoolClient, connection: ConnectionState, prelude: string | null): { readonly tx: TransactionConnection, endHandle (): Promise<unknown> } {
-    let sentWithBegin = prelude
+  function transactionConnection (client: NodePostgresPoolClient, connection: ConnectionState): { readonly tx: TransactionConnection, endHandle (): Promise<unknown> } {
     let guard: ReturnType<typeof guardPoolClient> | null = null
     /** Set when the guard ended: the driver's statements wait for the handle's last ones (client.ts, guarded). */
     let handleDone: Promise<Ended | null> | null = null
@@ -163,24 +161,8 @@ export function nodePostgresClient (pool: NodePostgresPool): DatabaseClient {
     const tx: TransactionConnection = {
       connection,
       query: queryable.query,
-      // node-postgres sends one query at a time on a client (queueing more is deprecated outside
-      // its pipeline mode): each statement only after the one before succeeded. `before` went
-      // with BEGIN when it was the transaction's prelude: two round trips then, not three.
-      async around (before, statement, after) {
-        if (handleDone !== null) await handleDone
-        live()
-        if (before === sentWithBegin) {
-          sentWithBegin = null
-        } else {
-          await watch(client.query(before))
-        }
-        const result = await statement()
-        live()
-        await watch(client.query(after))
-        return result
-      },
       guarded () {
-        // TRANSACTION_MARK went with BEGIN (transaction(), below).
+        // TRANSACTION_MARK went with BEGIN, or the body's first statement set it (transaction(), below).
         const guarded = guardPoolClient(client, connection, isNodePostgresConnectionError, (text) => ({ text, rowMode: 'array', types: nodePostgresTypes }))
         guard = guarded
         // What enqueue() writes through: the guarded client, so it too is refused once the transaction ended.
@@ -211,21 +193,19 @@ export function nodePostgresClient (pool: NodePostgresPool): DatabaseClient {
       const connection = connectionState()
       const onError = (err: Error): void => { connection.lose(err) }
       const client = await checkOut(pool, onError)
-      const prelude = hooks?.prelude ?? null
-      const { tx, endHandle } = transactionConnection(client, connection, prelude)
+      const { tx, endHandle } = transactionConnection(client, connection)
       /** BEGIN was sent and COMMIT not yet: a ROLLBACK is due if anything fails. */
       let open = false
       /** The connection is in a state no one should reuse (a ROLLBACK that failed). */
       let broken: Error | null = null
       try {
-        // One round trip for BEGIN and what must follow it: the mark a guarded handle's probe reads
-        // (client.ts, TRANSACTION_MARK; set in every transaction, since it costs nothing here and
-        // a node-postgres client sends one query at a time, so setting it later would cost a round
-        // trip), and atomic mode's lock timeout for the claim. Open from here: if the prelude fails
-        // after BEGIN, the client must not go back to the pool inside an aborted transaction block
-        // (a ROLLBACK without one is only a warning).
+        // BEGIN and, in the same round trip, the mark a guarded handle's probe reads (client.ts,
+        // TRANSACTION_MARK), unless the body's first statement sets it (atomic mode's claim): a
+        // node-postgres client sends one query at a time, so setting it later would cost a round
+        // trip. Open from here: if the mark fails after BEGIN, the client must not go back to the
+        // pool inside an aborted transaction block (a ROLLBACK without one is only a warning).
         open = true
-        await tx.simple(prelude === null ? `BEGIN; ${TRANSACTION_MARK}` : `BEGIN; ${TRANSACTION_MARK}; ${prelude}`)
+        await tx.simple(hooks?.marked === true ? 'BEGIN' : `BEGIN; ${TRANSACTION_MARK}`)
         const result = await body(tx)
         await endHandle()
         if (connection.lost !== null) throw connection.lost

@@ -24,13 +24,13 @@ export function postgresJsClient (sql: Sql<any>): DatabaseClient {
    * its transaction ended under it and postgres.js took the connection back (client.ts, Ended).
    * From then on nothing is sent through the transaction: its methods throw.
    */
-  function transactionConnection (tx: TransactionSql<any>, connection: TransactionConnection['connection']): { readonly tx: TransactionConnection, givenBack (): Promise<boolean> } {
+  function transactionConnection (tx: TransactionSql<any>, connection: TransactionConnection['connection'], marked: boolean): { readonly tx: TransactionConnection, givenBack (): Promise<boolean> } {
     const queryable = statementsOn(tx)
     let guard: ReturnType<typeof guardTransaction> | null = null
     /** Set when the guard ended: the driver's statements wait for the handle's last ones (client.ts, guarded). */
     let handleDone: Promise<Ended | null> | null = null
     let released = false
-    /** Only when the guard has ended: until then a statement is sent the moment it is called, which around() relies on. */
+    /** Only once the guard has ended: until then a statement is sent the moment it is called. */
     const ready = async (done: Promise<unknown>): Promise<void> => {
       await done
       if (released) throw givenBackError()
@@ -49,19 +49,12 @@ export function postgresJsClient (sql: Sql<any>): DatabaseClient {
         if (handleDone !== null) await ready(handleDone)
         return await watched(connection, queryable.query(text, values))
       },
-      async around (before, statement, after) {
-        if (handleDone !== null) await ready(handleDone)
-        // postgres.js sends a query when it is first awaited: execute() puts `before` on the wire
-        // first, the statement is sent as soon as it is called, and `after` behind it.
-        const first = tx.unsafe(before).execute()
-        const [, result] = await watched(connection, Promise.all([first, statement(), tx.unsafe(after)]))
-        return result
-      },
       guarded () {
-        // The probe's mark (client.ts, TRANSACTION_MARK), written ahead of the handle's first query
-        // (postgres.js sends in the order queries are executed): no round trip of its own. A
-        // failure would be the transaction's, and rolls it back as any failed statement does.
-        watched(connection, tx.unsafe(TRANSACTION_MARK).execute()).catch(() => {})
+        // The probe's mark (client.ts, TRANSACTION_MARK), unless the body's first statement set it:
+        // written ahead of the handle's first query (postgres.js sends in the order queries are
+        // executed), no round trip of its own. A failure would be the transaction's, and rolls it
+        // back as any failed statement does.
+        if (!marked) watched(connection, tx.unsafe(TRANSACTION_MARK).execute()).catch(() => {})
         const guarded = guardTransaction(tx, connection)
         guard = guarded
         // What enqueue() writes through: the guarded handle, so it too is refused once the transaction ended.
@@ -97,7 +90,7 @@ export function postgresJsClient (sql: Sql<any>): DatabaseClient {
       let giveBack!: (err: unknown) => void
       const givenBack = new Promise<never>((_resolve, reject) => { giveBack = reject })
       const begun = beginOnLiveConnection(sql, async (tx, connection) => {
-        const transaction = transactionConnection(tx, connection)
+        const transaction = transactionConnection(tx, connection, hooks?.marked === true)
         let result: Awaited<ReturnType<typeof body>>
         try {
           result = await body(transaction.tx)

@@ -1,5 +1,6 @@
+import { createHash } from 'node:crypto'
 import type { Fingerprint, Lease, RecordId, StoredResponse } from '../../lib/core/store.js'
-import type { Queryable, Value } from './client.js'
+import { MARK_SETTING, type Queryable, type Value } from './client.js'
 
 /*
  * Every statement the lease mode runs, one short statement each, in autocommit (no transaction is
@@ -71,7 +72,7 @@ export interface Statements {
  * resolves, instead of one whose lease a retry takes over to run the operation a second time.
  */
 export interface AtomicStatements {
-  claim (args: AtomicClaimArgs): Promise<ClaimStatementResult>
+  claim (args: AtomicClaimArgs): Promise<AtomicClaimResult>
   reclaim (args: AtomicClaimArgs, seenToken: string): Promise<boolean>
   takeover (args: AtomicClaimArgs, seenToken: string): Promise<boolean>
   complete (lease: Lease, response: StoredResponse, ttlMs: number): Promise<boolean>
@@ -83,6 +84,26 @@ export interface AtomicStatements {
 
 /** An atomic claim has no lease to bind: its record is held until the transaction records the response. */
 export type AtomicClaimArgs = Omit<ClaimArgs, 'leaseMs' | 'ttlMs'>
+
+/**
+ * What the atomic claim statement saw. `busy`: another transaction holds the key's lock (an
+ * uncommitted claim of the key, or a duplicate's for a moment), so nothing was inserted; `record`
+ * is the one in the way when it is visible. Null, as for the lease-mode claim: nothing inserted,
+ * nothing in the snapshot, the lock got (the record in the way was committed after the snapshot).
+ */
+export type AtomicClaimResult =
+  | { readonly acquired: true }
+  | { readonly acquired: false, readonly busy: boolean, readonly record: ExistingRecord | null }
+  | null
+
+/**
+ * The key of (scope, key)'s advisory lock, as the decimal text of an int8: the first 8 bytes of a
+ * SHA-256 of both. Two keys that share one (a chance of 2^-64 per pair) only make a claim of one
+ * see the other's in flight for as long as its transaction lasts.
+ */
+export function keyLock (scope: string, key: string): string {
+  return createHash('sha256').update(JSON.stringify([scope, key])).digest().readBigInt64BE(0).toString()
+}
 
 type Headers = StoredResponse['headers']
 
@@ -240,8 +261,35 @@ function buildTexts (table: string) {
       VALUES ($1, $2, $3::bytea, $4, 'in_progress', $5::uuid, now(), 'infinity', true)
       ON CONFLICT (scope, key) DO NOTHING`
 
-  // The lease-mode claim with the held insert; the record in the way is read as lease mode reads it.
-  const atomicClaimText = claimWith(insertHeld)
+  // The claim never waits for another transaction: a duplicate of a claim not yet committed would
+  // otherwise block on its row until that transaction ends, holding a pooled connection all the
+  // while. So it first tries the key's advisory lock (pg_try_advisory_xact_lock, $6: a hash of
+  // scope and key, keyLock below), which every atomic claim of the key takes and keeps until its
+  // transaction ends (a PREPARE TRANSACTION keeps it too), and inserts only when it got it: the
+  // insert can then meet only a committed record, or a lease-mode statement's for a moment. Not
+  // got, the third branch says so (acquired NULL), beside the record in the way if one is visible:
+  // the lock's holder is an uncommitted claim of the key, or a duplicate that took it for a moment.
+  // The same CTE sets the mark a guarded handle's probe reads (client.ts, TRANSACTION_MARK), so it
+  // costs no statement of its own. On Citus the CTE runs on the coordinator, as a step of its own
+  // (the lock and the mark are the coordinator session's, where the probe reads the mark), and the
+  // INSERT … SELECT is planned through the coordinator: still one round trip for the client.
+  const atomicClaimText = `
+    WITH attempt AS MATERIALIZED (
+      SELECT pg_try_advisory_xact_lock($6::int8) AS got, set_config('${MARK_SETTING}', 'open', true) AS marked
+    ), claimed AS (
+      INSERT INTO ${table} (scope, key, fingerprint, fingerprint_algorithm, state, owner_token, lease_expires_at, expires_at, indeterminate)
+      SELECT $1, $2, $3::bytea, $4, 'in_progress', $5::uuid, now(), 'infinity', true FROM attempt WHERE got
+      ON CONFLICT (scope, key) DO NOTHING
+      RETURNING true AS acquired
+    )
+    SELECT acquired, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL FROM claimed
+    UNION ALL
+    SELECT false, ${RECORD_COLUMNS}
+    FROM ${table}
+    WHERE scope = $1 AND key = $2 AND NOT EXISTS (SELECT FROM claimed)
+    UNION ALL
+    SELECT NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL FROM attempt WHERE NOT got
+  `
 
   const atomicReclaimText = `
     UPDATE ${table}
@@ -372,12 +420,15 @@ export function createAtomicStatements (db: Queryable, table: string): AtomicSta
   const changed = async (text: string, bound: Value[]): Promise<boolean> => (await db.query(text, bound)).count === 1
   return {
     async claim (args) {
-      const { rows } = await db.query(texts.atomicClaimText, values(args))
-      const row = rows[0] as ClaimColumns | undefined
-      if (row === undefined) return null
-      if (row[0]) return { acquired: true }
-      const [, ...record] = row
-      return { acquired: false, record: recordOf(record) }
+      const { rows } = await db.query(texts.atomicClaimText, [...values(args), keyLock(args.scope, args.key)])
+      let busy = false
+      let record: ExistingRecord | null = null
+      for (const row of rows as unknown as Array<[boolean | null, ...RecordColumns]>) {
+        if (row[0] === true) return { acquired: true }
+        if (row[0] === null) busy = true
+        else record = recordOf(row.slice(1) as unknown as RecordColumns)
+      }
+      return busy || record !== null ? { acquired: false, busy, record } : null
     },
     reclaim: (args, seenToken) => changed(texts.atomicReclaimText, [...values(args), seenToken]),
     takeover: (args, seenToken) => changed(texts.atomicTakeoverText, [...values(args), seenToken]),

@@ -1,8 +1,7 @@
 import { randomUUID } from 'node:crypto'
-import diagnostics from 'node:diagnostics_channel'
 import { RolledBackError, TransactionEndedError } from '../../lib/core/errors.js'
 import { fingerprintsEqual } from '../../lib/core/fingerprint.js'
-import type { ClaimRequest, ClaimResult, InTransactionClaimRequest, Lease, StoredResponse } from '../../lib/core/store.js'
+import type { ClaimRequest, ClaimResult, Lease, StoredResponse } from '../../lib/core/store.js'
 import type { DatabaseClient, TransactionConnection } from './client.js'
 import { createAtomicStatements, type AtomicStatements } from './statements.js'
 
@@ -30,8 +29,6 @@ import { createAtomicStatements, type AtomicStatements } from './statements.js'
 type Decision = { readonly response: StoredResponse, readonly ttlMs: number } | null
 
 interface OpenTransaction {
-  readonly scope: string
-  readonly key: string
   /** Whether its claim has acquired the key (until then, it may be waiting on another's). */
   holdsKey: boolean
   /** Hands the decision to the pending transaction; resolves when it has committed or rolled back. */
@@ -49,53 +46,10 @@ const ROLLBACK = Symbol('rollback')
  */
 const HOLD_LOCK_TIMEOUT = 'set local lock_timeout = 1000'
 
-/** SQLSTATE lock_not_available: lock_timeout fired while the claim waited on a lock. */
-const LOCK_TIMEOUT = '55P03'
-
-/**
- * lock_timeout bounds every lock the claim waits on, not only another attempt's uncommitted row,
- * and PostgreSQL does not say which one it was: the table's (or an index's) extension lock, held by
- * a concurrent insert while it adds a page (for as long as that insert takes to find a buffer,
- * which on a busy machine can mean writing out a dirty one and flushing WAL first), or a DDL
- * statement's lock queued on the table. So a timed-out claim is not taken for a duplicate on that
- * word alone:
- * - When a transaction of this store holds the key, it is one: answered at once.
- * - Otherwise, when the bound is shorter than MOMENTARY_LOCK_MS (without `wait` it is 1 ms), the
- *   claim is tried once more, in a new transaction bounded by MOMENTARY_LOCK_MS. A duplicate in
- *   flight elsewhere is still there then (or has committed, and is replayed); a momentary lock has
- *   gone. A second try with the same 1 ms bound is not enough: on a busy machine a claim can time
- *   out twice on a lock that is not a duplicate's.
- * A longer bound already outlasts such a moment, and is not tried again.
- */
-const LOCK_TIMEOUT_RETRIES = 1
-const MOMENTARY_LOCK_MS = 100
-const RETRY_LOCK_TIMEOUT = lockTimeoutStatement(MOMENTARY_LOCK_MS)
-
 const MAX_CLAIM_ROUNDS = 10
 
-/** What the diagnostics channel `fastify-idempotency:lock-timeout` publishes, once per timed-out claim. */
-export interface LockTimeoutEvent {
-  readonly scope: string
-  readonly key: string
-  /** The bound that fired, ms: the route's `wait` (at least 1) on a first try, MOMENTARY_LOCK_MS on the second. */
-  readonly boundMs: number
-  /** `retry`: tried once more; `in_progress`: answered 409 (held by this store, or still held after the longer try). */
-  readonly then: 'retry' | 'in_progress'
-  /** Whether a transaction of this store held the key (a duplicate here, answered without a second try). */
-  readonly heldHere: boolean
-}
-
-/**
- * Atomic mode's lock waits, as an operational signal (docs/observability.md): a claim that timed
- * out, and what came of it. Many `retry` events mean claims wait on locks that are not duplicates'
- * (extension locks of a busy table, DDL); many `in_progress` ones, duplicates arriving while their
- * original still runs. Published only on the timeout path, and only built when someone subscribes.
- */
-export const LOCK_TIMEOUT_CHANNEL = 'fastify-idempotency:lock-timeout'
-const lockTimeouts = diagnostics.channel(LOCK_TIMEOUT_CHANNEL)
-
 export interface Transactions {
-  claimInTransaction (request: InTransactionClaimRequest): Promise<ClaimResult>
+  claimInTransaction (request: ClaimRequest): Promise<ClaimResult>
   /** True while `token` owns an open transaction of this store. */
   owns (token: string): boolean
   commit (lease: Lease, response: StoredResponse, ttlMs: number): Promise<boolean>
@@ -112,24 +66,11 @@ export function createTransactions (db: DatabaseClient, table: string): Transact
   const open = new Map<string, OpenTransaction>()
   let unfinished = 0
 
-  function claimInTransaction (request: InTransactionClaimRequest): Promise<ClaimResult> {
-    return new Promise<ClaimResult>((resolve, reject) => {
-      // Thrown here, an invalid waitMs rejects the claim.
-      const setLockTimeout = lockTimeoutStatement(request.waitMs)
-      // A caller that waits by itself (answerAtOnce) claims again later, holding no connection meanwhile.
-      const retries = request.answerAtOnce !== true && request.waitMs < MOMENTARY_LOCK_MS ? LOCK_TIMEOUT_RETRIES : 0
-      attempt(request, setLockTimeout, request.waitMs, retries, resolve, reject)
-    })
+  function claimInTransaction (request: ClaimRequest): Promise<ClaimResult> {
+    return new Promise<ClaimResult>((resolve, reject) => { attempt(request, resolve, reject) })
   }
 
-  function attempt (
-    request: InTransactionClaimRequest,
-    setLockTimeout: string,
-    boundMs: number,
-    retriesLeft: number,
-    resolveClaim: (result: ClaimResult) => void,
-    rejectClaim: (err: unknown) => void
-  ): void {
+  function attempt (request: ClaimRequest, resolveClaim: (result: ClaimResult) => void, rejectClaim: (err: unknown) => void): void {
     const token = randomUUID()
     /** The body returned with a recorded response: the client sends COMMIT from here on. */
     let commitSent = false
@@ -141,8 +82,6 @@ export function createTransactions (db: DatabaseClient, table: string): Transact
     let carriedOut!: () => void
     const decisionCarriedOut = new Promise<void>((resolve) => { carriedOut = resolve })
     const transaction: OpenTransaction = {
-      scope: request.scope,
-      key: request.key,
       holdsKey: false,
       decide (decision) {
         decide(decision)
@@ -167,7 +106,7 @@ export function createTransactions (db: DatabaseClient, table: string): Transact
     // On a dropped connection nothing more is sent, not even the ROLLBACK (dropped-connection.ts).
     const finished = db.transaction(async (tx) => {
       const statements = createAtomicStatements(tx, table)
-      const outcome = await claimWithin(tx, statements, request, token, setLockTimeout)
+      const outcome = await claimWithin(tx, statements, request, token)
       if (outcome.outcome !== 'acquired') {
         resolveClaim(outcome)
         throw ROLLBACK
@@ -203,7 +142,7 @@ export function createTransactions (db: DatabaseClient, table: string): Transact
       } finally {
         carriedOut()
       }
-    }, { commitSent: () => { commitSent = true }, prelude: setLockTimeout })
+    }, { commitSent: () => { commitSent = true }, marked: true })
 
     open.set(token, transaction)
     finished.then(
@@ -215,37 +154,9 @@ export function createTransactions (db: DatabaseClient, table: string): Transact
         // the handler's COMMIT made durable before the connection closed.
         if (transaction.holdsKey) return
         open.delete(token)
-        if (err === ROLLBACK) return
-        if ((err as { code?: unknown } | null)?.code !== LOCK_TIMEOUT) return rejectClaim(err)
-        const held = heldHere(request)
-        const retry = retriesLeft > 0 && !held
-        if (lockTimeouts.hasSubscribers) {
-          const event: LockTimeoutEvent = { scope: request.scope, key: request.key, boundMs: Math.max(1, Math.ceil(boundMs)), then: retry ? 'retry' : 'in_progress', heldHere: held }
-          lockTimeouts.publish(event)
-        }
-        if (retry) {
-          attempt(request, RETRY_LOCK_TIMEOUT, MOMENTARY_LOCK_MS, retriesLeft - 1, resolveClaim, rejectClaim)
-        } else {
-          // Blocked on an uncommitted claim of the same key (this store's, or still there after
-          // the longer try): in progress. Its fingerprint is invisible until it commits, so this
-          // one cannot tell 409 from 422; a retry after the original commits gets the precise answer.
-          resolveClaim(request.answerAtOnce === true && !held
-            ? { outcome: 'in_progress', fingerprint: request.fingerprint, leaseRemainingMs: 0, unseen: true }
-            : { outcome: 'in_progress', fingerprint: request.fingerprint, leaseRemainingMs: 0 })
-        }
+        if (err !== ROLLBACK) rejectClaim(err)
       }
     )
-  }
-
-  /**
-   * Whether one of this store's transactions holds the key. A scan, on the lock-timeout path only:
-   * the map holds one entry per transaction in flight, no more than the pool's connections.
-   */
-  function heldHere (request: ClaimRequest): boolean {
-    for (const transaction of open.values()) {
-      if (transaction.holdsKey && transaction.key === request.key && transaction.scope === request.scope) return true
-    }
-    return false
   }
 
   async function settle (lease: Lease, decision: Decision): Promise<boolean> {
@@ -281,17 +192,17 @@ function commitError (err: unknown, commitSent: boolean, db: DatabaseClient): un
 }
 
 /**
- * The claim, inside the transaction. `lock_timeout` bounds how long it blocks on another attempt's
- * uncommitted claim of the same key (the `wait` option; 0 would mean "forever" to PostgreSQL, so
- * the floor is 1 ms), and is reset right after so the handler's own statements are not affected.
- * The three statements are pipelined where the client pipelines (postgres.js: one round trip).
+ * The claim, inside the transaction. It never waits for another transaction (statements.ts, the
+ * atomic claim: the key's advisory lock, tried): a key whose lock another transaction holds is
+ * reported in progress at once, so a duplicate holds this connection for one round trip, and waits
+ * (the `wait` option) outside any transaction. Reclaiming an expired record or taking over a
+ * lapsed one happens only with the lock got: no other atomic claim is then at the row.
  */
 async function claimWithin (
   tx: TransactionConnection,
   statements: AtomicStatements,
-  request: InTransactionClaimRequest,
-  token: string,
-  setLockTimeout: string
+  request: ClaimRequest,
+  token: string
 ): Promise<ClaimResult> {
   const args = { ...request, token }
   const lease = { scope: request.scope, key: request.key, token }
@@ -299,16 +210,24 @@ async function claimWithin (
   const live = (): void => { if (tx.connection.lost !== null) throw tx.connection.lost }
   for (let round = 0; round < MAX_CLAIM_ROUNDS; round++) {
     live()
-    const result = await tx.around(setLockTimeout, () => statements.claim(args), 'set local lock_timeout to default')
+    const result = await statements.claim(args)
     if (result === null) continue
     if (result.acquired) return { outcome: 'acquired', lease, takeover: false }
     const record = result.record
+    if (result.busy && (record === null || record.expired)) {
+      // An uncommitted claim of the key (or a reclaim of its expired record): its fingerprint is
+      // invisible until it commits, so this one cannot tell 409 from 422; a retry after the original
+      // commits gets the precise answer. A claim that committed while this statement ran may also
+      // read so: answered as if this request had come first, which it did, in part.
+      return { outcome: 'in_progress', fingerprint: request.fingerprint, leaseRemainingMs: 0, unseen: true }
+    }
+    if (record === null) continue
     if (record.expired) {
       live()
       if (await statements.reclaim(args, record.token)) return { outcome: 'acquired', lease, takeover: false }
       continue
     }
-    if (record.state === 'in_progress' && record.lapsed && fingerprintsEqual(record.fingerprint, request.fingerprint)) {
+    if (!result.busy && record.state === 'in_progress' && record.lapsed && fingerprintsEqual(record.fingerprint, request.fingerprint)) {
       live()
       if (await statements.takeover(args, record.token)) return { outcome: 'acquired', lease, takeover: true }
       continue
@@ -363,18 +282,4 @@ async function holdElsewhere (db: DatabaseClient, table: string, claim: ClaimReq
     const statements = createAtomicStatements(tx, table)
     return await statements.holdOwned(claim) || await statements.insertHeld(claim)
   })
-}
-
-/**
- * `SET LOCAL`, not `set_config(…, true)`: the same setting on plain PostgreSQL, but Citus forwards
- * SET LOCAL commands to the workers holding the row (with `citus.propagate_set_commands = 'local'`)
- * and never a function call, so there the bound would not reach the lock it is meant to bound.
- * SET takes no bind parameters: the value is written into the text, hence an integer checked here.
- */
-function lockTimeoutStatement (waitMs: number): string {
-  if (typeof waitMs !== 'number' || Number.isNaN(waitMs) || waitMs < 0) {
-    throw new TypeError(`fastify-idempotency: claimInTransaction needs waitMs to be a number of milliseconds >= 0, received ${String(waitMs)}`)
-  }
-  // 0 would mean "wait forever" to PostgreSQL; the setting is an int4 of milliseconds.
-  return `set local lock_timeout = ${Math.min(2_147_483_647, Math.max(1, Math.ceil(waitMs)))}`
 }

@@ -10,7 +10,7 @@ import { RequestContext } from './recovery.js'
 import type { Answer, ClaimAcquired, ClaimCompleted, ClaimInProgress, ClaimRequest, ClaimResult, Fingerprint, StoredResponse } from './store.js'
 import { isThenable } from './thenable.js'
 import { bounded, boundedPromise } from './timeout.js'
-import { localId } from './waiters.js'
+import { localId, type Follower } from './waiters.js'
 
 /*
  * The claim, for every door: the store (and, before it, the pre-filter) decides whether this
@@ -49,8 +49,6 @@ const MAX_POLL_MS = 250
 const LAPSE_MARGIN_MS = 20
 /** While settlement notices flow: the longest a waiter goes without reading the record, in case its notice was lost. */
 const NOTICED_POLL_MS = 2_000
-/** How long a lock that is no claim's lasts at most, as the PostgreSQL driver bounds its second try (drivers/postgres/transaction.ts). */
-const UNSEEN_RECHECK_MS = 100
 
 /**
  * Claims `state.key` in `state.scope` for the request whose unkeyed fingerprint is `unkeyed`.
@@ -144,16 +142,21 @@ function acquired (engine: Engine, state: RequestState, result: ClaimAcquired, a
  * store is asked before any answer is given.
  */
 async function claimLoop (engine: Engine, state: RequestState, claim: ClaimRequest): Promise<Decision> {
+  const wait = state.preferredWait === null ? state.settings.wait : Math.min(state.preferredWait, state.settings.wait)
+  // Followed from before the first claim: a settlement between the store's answer and the wait is kept for the wait.
+  const follower = wait > 0 ? engine.waiters.follow(localId(state.scope, state.key)) : null
+  try {
+    return await claimRounds(engine, state, claim, wait, follower)
+  } finally {
+    follower?.end()
+  }
+}
+
+async function claimRounds (engine: Engine, state: RequestState, claim: ClaimRequest, wait: number, follower: Follower | null): Promise<Decision> {
   const settings = state.settings
   let fingerprint = claim.fingerprint
-  const wait = state.preferredWait === null ? settings.wait : Math.min(state.preferredWait, settings.wait)
   const deadline = wait > 0 ? Date.now() + wait : 0
   let poll = FIRST_POLL_MS
-  // Atomic mode on a route that waits long enough: the claim never waits on another transaction's
-  // lock (it would hold a pooled connection all the while); it reports the key taken, and the
-  // duplicate waits here, holding nothing (claimInTransaction's `answerAtOnce`).
-  let answerAtOnce = settings.transaction && wait >= UNSEEN_RECHECK_MS
-  let recheckedUnseen = false
   /** Woken by a settlement of the key: in atomic mode, the record is read before any claim (readSettled). */
   let woken = false
   for (let round = 0; ; round++) {
@@ -164,10 +167,10 @@ async function claimLoop (engine: Engine, state: RequestState, claim: ClaimReque
     const hit = engine.prefilter === null ? null : await consultPrefilter(engine, state, fingerprint, round === 0 && settings.wait > 0)
     if (hit?.state === 'completed') {
       held = { outcome: 'completed', fingerprint: hit.fingerprint, response: hit.response }
-    } else if (hit?.state === 'in_progress' && !woken && deadline - Date.now() > 0 && isFingerprint(matchOf(engine, state, hit.fingerprint, fingerprint))) {
+    } else if (follower !== null && hit?.state === 'in_progress' && !woken && deadline - Date.now() > 0 && isFingerprint(matchOf(engine, state, hit.fingerprint, fingerprint))) {
       // A marker says nothing of the owner's lease: while notices flow, the settlement wakes it.
       const remaining = deadline - Date.now()
-      woken = await engine.waiters.wait(localId(state.scope, state.key), engine.waiters.live ? Math.min(remaining, NOTICED_POLL_MS) : Math.min(poll, remaining))
+      woken = await follower.wait(engine.waiters.live ? Math.min(remaining, NOTICED_POLL_MS) : Math.min(poll, remaining))
       poll = Math.min(poll * 2, MAX_POLL_MS)
       continue
     } else {
@@ -179,8 +182,7 @@ async function claimLoop (engine: Engine, state: RequestState, claim: ClaimReque
         if (settled !== null) {
           result = settled
         } else if (settings.transaction) {
-          const waitMs = answerAtOnce ? 0 : Math.max(0, deadline - Date.now())
-          result = await bounded('claim', settings.storeTimeout + waitMs, () => claimInTransaction(engine, claim, waitMs, answerAtOnce), giveBackLate(engine, state))
+          result = await bounded('claim', settings.storeTimeout, () => claimInTransaction(engine, claim), giveBackLate(engine, state))
         } else {
           result = await bounded('claim', settings.storeTimeout, () => engine.store.claim(claim), giveBackLate(engine, state))
         }
@@ -208,25 +210,8 @@ async function claimLoop (engine: Engine, state: RequestState, claim: ClaimReque
     const decided = decideHeld(engine, state, held, fingerprint)
     if (decided !== null) return decided
     const remaining = deadline - Date.now()
-    if (remaining <= 0) {
-      // The wait is over and no claim could read what was in the way. A 409 says a duplicate is in
-      // flight, so one last claim makes sure of it as a route without `wait` does: a lock that was no
-      // claim's is waited out within 100 ms (drivers/postgres/transaction.ts), a duplicate's is not.
-      if (answerAtOnce && (held as ClaimInProgress).unseen === true) {
-        answerAtOnce = false
-        continue
-      }
-      return refuseInProgress(engine, state)
-    }
-    let pause = pauseFor(engine, held as ClaimInProgress, poll, remaining)
-    // The record in the way could not be read: another process's uncommitted claim, or a lock that
-    // was no claim's (a table's extension lock, DDL), gone in a moment. Once, the claim is tried
-    // again after that moment; a key still taken then is a duplicate's, and waits for its settlement.
-    if ((held as ClaimInProgress).unseen === true && !recheckedUnseen) {
-      recheckedUnseen = true
-      pause = Math.min(pause, UNSEEN_RECHECK_MS)
-    }
-    woken = await engine.waiters.wait(localId(state.scope, state.key), pause)
+    if (follower === null || remaining <= 0) return refuseInProgress(engine, state)
+    woken = await follower.wait(pauseFor(engine, held as ClaimInProgress, poll, remaining))
     poll = Math.min(poll * 2, MAX_POLL_MS)
   }
 }
@@ -315,11 +300,11 @@ function giveBackLate (engine: Engine, state: RequestState) {
   }
 }
 
-function claimInTransaction (engine: Engine, claim: ClaimRequest, waitMs: number, answerAtOnce: boolean): Promise<ClaimResult> {
+function claimInTransaction (engine: Engine, claim: ClaimRequest): Promise<ClaimResult> {
   const store = engine.store
   // Checked when the route was added; kept for stores that drop the method at run time.
   if (store.claimInTransaction === undefined) return Promise.reject(new TypeError('fastify-idempotency: the store has no claimInTransaction'))
-  return store.claimInTransaction(answerAtOnce ? { ...claim, waitMs, answerAtOnce } : { ...claim, waitMs })
+  return store.claimInTransaction(claim)
 }
 
 function storeFailed (engine: Engine, state: RequestState, err: unknown): Decision {

@@ -82,18 +82,11 @@ export interface ClaimAcquired {
   readonly transaction?: unknown
 }
 
-/** What `claimInTransaction` is asked. */
-export interface InTransactionClaimRequest extends ClaimRequest {
-  /** How long the claim may block on another attempt's uncommitted claim of the key. */
-  readonly waitMs: number
-  /**
-   * Set when the caller waits for the key itself, outside any transaction (the `wait` option): the
-   * claim blocks on no lock beyond the shortest bound and reports the key in progress (`unseen`
-   * when it could not read the record in the way) instead of trying again, so no waiting duplicate
-   * holds a connection.
-   */
-  readonly answerAtOnce?: boolean
-}
+/**
+ * What `claimInTransaction` is asked: a claim. The caller waits for a key in progress itself (the
+ * `wait` option), outside any transaction, so the claim never blocks on another's.
+ */
+export type InTransactionClaimRequest = ClaimRequest
 
 /** Another attempt owns the record and is (or was, until its lease expires) executing. */
 export interface ClaimInProgress {
@@ -102,9 +95,9 @@ export interface ClaimInProgress {
   /** Milliseconds until the owner's lease expires (0 when unknown). */
   readonly leaseRemainingMs: number
   /**
-   * Set by `claimInTransaction` with `answerAtOnce` when the record in the way could not be read:
-   * another process's uncommitted claim, or a lock that was no claim's. `fingerprint` is then the
-   * request's own; the caller claims again after a moment, then waits for a settlement.
+   * Set by `claimInTransaction` when the record in the way could not be read: another
+   * transaction's uncommitted claim of the key. `fingerprint` is then the request's own, and
+   * `leaseRemainingMs` 0: the caller waits for a settlement (or answers 409), then claims again.
    */
   readonly unseen?: boolean
 }
@@ -259,10 +252,10 @@ export interface IdempotencyStore {
    *   TRANSACTION), `complete` and `release` hold the key for the reconciler instead and reject
    *   with `TransactionEndedError`: what it wrote may have committed without the record;
    * - `renew` has nothing to do (the open transaction holds the record; a crash rolls it back).
-   * A concurrent claim of the same key blocks up to `waitMs` on the uncommitted record, then
-   * reports it in progress (a driver that cannot tell that wait from a momentary lock may try once
-   * more, as the postgres driver does; the plugin's `storeTimeout` bounds the whole claim). On any
-   * outcome but `acquired`, no transaction is left open.
+   * A concurrent claim of the same key never blocks on the uncommitted record: it reports the key
+   * in progress at once (`unseen`), so a duplicate holds a connection for no longer than its claim
+   * (the plugin's `storeTimeout` bounds it). On any outcome but `acquired`, no transaction is left
+   * open.
    */
   claimInTransaction? (request: InTransactionClaimRequest): Promise<ClaimResult>
 

@@ -9,6 +9,7 @@ import type { IdempotencyStore } from './store.js'
  * them, a watch lost and not yet back), waiters poll the store.
  */
 export class Waiters {
+  /** Each followed id's followers, as the function that tells one of a notice. */
   readonly #waiting = new Map<string, Set<(settled: boolean) => void>>()
   /** The ids waited for, by settlement digest (what a notice names); kept only while a watch is open. */
   readonly #byDigest = new Map<string, string>()
@@ -61,37 +62,33 @@ export class Waiters {
   }
 
   /**
-   * Resolves when `id` is settled (here, or anywhere while notices flow) or after `ms`, whichever
-   * comes first: true when woken by a settlement, false when the time ran out.
+   * A duplicate's interest in `id`, from before it asks the store until it stops waiting (`end`):
+   * a settlement of `id` that comes while it is not waiting (between the store's answer and its
+   * next wait) is kept for that wait, which then returns at once, so no notice falls between the
+   * claim that found the key taken and the wait that follows it.
    */
-  wait (id: string, ms: number): Promise<boolean> {
-    return new Promise((resolve) => {
-      let set = this.#waiting.get(id)
-      if (set === undefined) {
-        set = new Set()
-        this.#waiting.set(id, set)
-        if (this.#stopWatch !== null) this.#byDigest.set(digestOf(id), id)
+  follow (id: string): Follower {
+    let set = this.#waiting.get(id)
+    if (set === undefined) {
+      set = new Set()
+      this.#waiting.set(id, set)
+      if (this.#stopWatch !== null) this.#byDigest.set(digestOf(id), id)
+    }
+    const followers = set
+    return new Follower(followers, (noticed) => {
+      followers.delete(noticed)
+      if (followers.size === 0 && this.#waiting.get(id) === followers) {
+        this.#waiting.delete(id)
+        if (this.#byDigest.size > 0) this.#byDigest.delete(digestOf(id))
       }
-      const waiting = set
-      const wake = (settled: boolean): void => {
-        clearTimeout(timer)
-        waiting.delete(wake)
-        if (waiting.size === 0 && this.#waiting.get(id) === waiting) {
-          this.#waiting.delete(id)
-          if (this.#byDigest.size > 0) this.#byDigest.delete(digestOf(id))
-        }
-        resolve(settled)
-      }
-      const timer = setTimeout(wake, ms, false)
-      waiting.add(wake)
     })
   }
 
-  /** `id` settled: its waiters wake. `settled` false: they only read their record again (a watch came or went). */
+  /** `id` settled: its followers wake. `settled` false: they only read their record again (a watch came or went). */
   notify (id: string, settled = true): void {
     const set = this.#waiting.get(id)
     if (set === undefined) return
-    for (const wake of [...set]) wake(settled)
+    for (const noticed of [...set]) noticed(settled)
   }
 
   /** Stops the watch (the registration or runner closed); waiters poll from then on. */
@@ -120,4 +117,56 @@ export function settlementDigest (scope: string, key: string): string {
 
 function digestOf (id: string): string {
   return createHash('sha256').update(id).digest('base64url')
+}
+
+/** One duplicate's interest in a key (Waiters.follow). */
+export class Follower {
+  /** What came while it was not waiting: a settlement (true), a watch that came or went (false), or nothing (null). */
+  #noticed: boolean | null = null
+  #wake: ((settled: boolean) => void) | null = null
+  #timer: ReturnType<typeof setTimeout> | undefined
+  readonly #noticedBy: (settled: boolean) => void
+  readonly #unfollow: (noticedBy: (settled: boolean) => void) => void
+
+  constructor (followers: Set<(settled: boolean) => void>, unfollow: (noticedBy: (settled: boolean) => void) => void) {
+    this.#noticedBy = (settled) => {
+      const wake = this.#wake
+      if (wake === null) {
+        this.#noticed = this.#noticed === true || settled
+        return
+      }
+      this.#wake = null
+      clearTimeout(this.#timer)
+      wake(settled)
+    }
+    this.#unfollow = unfollow
+    followers.add(this.#noticedBy)
+  }
+
+  /**
+   * Resolves when the key is settled (here, or anywhere while notices flow) or after `ms`, whichever
+   * comes first: true when woken by a settlement, false when the time ran out. At once when a
+   * notice came since the last wait.
+   */
+  wait (ms: number): Promise<boolean> {
+    const noticed = this.#noticed
+    if (noticed !== null) {
+      this.#noticed = null
+      return Promise.resolve(noticed)
+    }
+    return new Promise((resolve) => {
+      this.#wake = resolve
+      this.#timer = setTimeout(() => {
+        this.#wake = null
+        resolve(false)
+      }, ms)
+    })
+  }
+
+  /** Stops following: nothing more is kept for it. */
+  end (): void {
+    clearTimeout(this.#timer)
+    this.#wake = null
+    this.#unfollow(this.#noticedBy)
+  }
 }

@@ -26,13 +26,12 @@
  * listening; `{ type: 'shutdown' }` closes it gracefully; it exits when the channel closes.
  */
 import { randomUUID } from 'node:crypto'
-import diagnostics from 'node:diagnostics_channel'
 import type { AddressInfo } from 'node:net'
 import { Readable } from 'node:stream'
 import Fastify, { type FastifyReply, type FastifyRequest } from 'fastify'
 import { Cluster, Redis } from 'ioredis'
 import idempotency, { type IdempotencyContext } from '../../lib/index.js'
-import { LOCK_TIMEOUT_CHANNEL, postgresStore, type LockTimeoutEvent } from '../../drivers/postgres/index.js'
+import { postgresStore } from '../../drivers/postgres/index.js'
 import { redisPrefilter } from '../../drivers/redis/index.js'
 import { exec } from '../helpers/postgres-clients.js'
 import { openDatabase, pgClientFromEnv, type PgClient } from './database.js'
@@ -141,13 +140,6 @@ if (settings.plant === 'stream-stops-renewal') {
     if (idem !== null && idem !== undefined && !idem.replayed) markStopped(stoppedRenewals, idem.scope, idem.key)
   })
 }
-
-// Every claim whose lock wait timed out (atomic mode), and whether it was tried again: the
-// atomic-duplicate scenario's boundaries (executions.ts).
-diagnostics.subscribe(LOCK_TIMEOUT_CHANNEL, (message) => {
-  const event = message as LockTimeoutEvent
-  log({ ev: 'lock-timeout', scope: event.scope, key: event.key, boundMs: event.boundMs, then: event.then, heldHere: event.heldHere })
-})
 
 await app.register(idempotency, {
   store,

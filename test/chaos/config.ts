@@ -87,7 +87,7 @@ export function parseArgs (argv: readonly string[]): ChaosConfig {
   // At 300 s, one scenario operation every 300 ms: about 90 of each scenario (180 of steps-partition
   // and of atomic-duplicate, twice a turn), for 50 crossings of each boundary with a margin.
   // A quick run shares its 30 s and two cores with the queue door's workers: one every 500 ms, so
-  // the rarest boundary (atomic-duplicate's lock wait that ends in a claim) is still crossed.
+  // the rarest boundary (atomic-duplicate's claim that waited for the table's lock) is still crossed.
   const scenarioIntervalMs = targeted !== null ? 500 : quick ? 500 : 300
   const scenarios = targeted ?? SCENARIOS
   // A planted bug lives in the app instances (plants.ts): a planted run leaves the queue door out, so

@@ -88,21 +88,7 @@ export type StallLine = Origin & { readonly ev: 'stall', readonly end: number }
 /** What a planted bug did at the store behind the plugin's back (for the key's history). */
 export type PlantLine = Origin & { readonly ev: 'plant', readonly scope: string, readonly key: string, readonly what: string }
 
-/**
- * An atomic-mode claim whose lock wait timed out (the driver's `fastify-idempotency:lock-timeout`
- * channel): tried again with the longer bound (`retry`) or answered 409 (`in_progress`), and
- * whether a transaction of the same instance held the key.
- */
-export type LockTimeoutLine = Origin & {
-  readonly ev: 'lock-timeout'
-  readonly scope: string
-  readonly key: string
-  readonly boundMs: number
-  readonly then: 'retry' | 'in_progress'
-  readonly heldHere: boolean
-}
-
-export type EvidenceLine = StoreCallLine | ClaimLine | ExecStartLine | RequestLine | ResolveLine | PlantLine | StallLine | LockTimeoutLine
+export type EvidenceLine = StoreCallLine | ClaimLine | ExecStartLine | RequestLine | ResolveLine | PlantLine | StallLine
 
 export type EvidenceEvent = EvidenceLine extends infer L ? L extends EvidenceLine ? Omit<L, 't' | 'pid' | 'instance'> : never : never
 

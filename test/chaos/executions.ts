@@ -27,12 +27,10 @@ export const BOUNDARIES = [
   'partitioned-owner-taken-over',
   /** An owner called step() after another execution had taken its key over or it was force-released. */
   'step-after-takeover',
-  /** An atomic claim's lock wait timed out on a key a transaction of the same instance held: answered 409 without a second try. */
-  'lock-timeout-held-here',
-  /** An atomic claim's 1 ms lock wait timed out on a key no transaction of its instance held: tried again with the 100 ms bound. */
-  'lock-timeout-tried-again',
-  /** Of those, a second try that acquired the key: the lock was not a duplicate's (the table locked for a moment). */
-  'lock-timeout-not-a-duplicate',
+  /** An atomic claim found its key's lock held by the original's open transaction: answered in progress at once, without waiting for it. */
+  'atomic-claim-found-key-busy',
+  /** An atomic claim made while the records table was locked (as DDL locks it) waited for the lock and acquired its key: no 409 for a key nobody held. */
+  'table-lock-not-a-duplicate',
   /** A duplicate that arrived on another instance while the original ran, waited, and was answered with its replay after it completed. */
   'waiter-answered-across-instances',
   /** Of those, in atomic mode. */
@@ -61,9 +59,8 @@ export const BOUNDARY_SCENARIOS: Readonly<Record<Boundary, ReadonlyArray<Scenari
   'held-past-ttl': ['held'],
   'partitioned-owner-taken-over': ['steps-partition'],
   'step-after-takeover': ['steps-force', 'steps-partition'],
-  'lock-timeout-held-here': ['atomic-duplicate'],
-  'lock-timeout-tried-again': ['atomic-duplicate'],
-  'lock-timeout-not-a-duplicate': ['atomic-duplicate'],
+  'atomic-claim-found-key-busy': ['atomic-duplicate'],
+  'table-lock-not-a-duplicate': ['atomic-duplicate'],
   'waiter-answered-across-instances': ['wait-lease', 'wait-atomic'],
   'atomic-waiter-answered-across-instances': ['wait-atomic'],
   'waiter-outlived-listener-loss': ['wait-lease', 'wait-atomic'],
@@ -137,7 +134,6 @@ export interface ExecutionStats {
   /** Of those, steps whose fn ran on a proven key and whose record reached the store after the lease ran out (fencedThenTooSlow). */
   readonly stepsRefusedAfterFence: number
   /** What the claims that timed out at 1 ms and were tried again answered (their claim line's outcome). */
-  readonly secondTries: Readonly<Record<ClaimLine['outcome'] | 'unmatched', number>>
   readonly boundaries: Readonly<Record<Boundary, number>>
 }
 
@@ -176,7 +172,7 @@ export function rebuildExecutions (history: History): Execution[] {
       case 'exec-start':
         starts.push(line)
         break
-      case 'resolve': case 'plant': case 'stall': case 'lock-timeout':
+      case 'resolve': case 'plant': case 'stall':
         break
       default:
         push(requests, `${line.pid}\n${line.req}`, line)
@@ -315,20 +311,14 @@ export function checkExecutions (history: History, executions: readonly Executio
   // Processes the harness killed (SIGKILL), by pid: a worker's run they ended was interrupted mid-job.
   const killed = new Set(history.incarnations.filter((incarnation) => incarnation.end === 'killed').map((incarnation) => incarnation.pid))
   let stepsRefusedAfterFence = 0
-  // The driver's own account of its lock waits (the atomic-duplicate scenario's boundaries): whether
-  // either path ran the handler twice is for the rules below, which see every execution of the key.
-  const secondTries = { acquired: 0, completed: 0, in_progress: 0, error: 0, unmatched: 0 }
-  const claimsAround = new Map<string, ClaimLine[]>()
-  for (const line of history.evidence) if (line.ev === 'claim') push(claimsAround, `${line.pid}\n${recordId(line.scope, line.key)}`, line)
+  // The atomic-duplicate scenario's boundaries, from the claims themselves: whether either path ran
+  // the handler twice is for the rules below, which see every execution of the key.
   for (const line of history.evidence) {
-    if (line.ev !== 'lock-timeout') continue
-    if (line.heldHere) boundaries['lock-timeout-held-here']++
-    if (line.then !== 'retry') continue
-    boundaries['lock-timeout-tried-again']++
-    // The store call the second try belongs to: this process's claim of the key that spans the event.
-    const claim = (claimsAround.get(`${line.pid}\n${recordId(line.scope, line.key)}`) ?? []).find((c) => c.t <= line.t && line.t <= c.end)
-    secondTries[claim?.outcome ?? 'unmatched']++
-    if (claim?.outcome === 'acquired') boundaries['lock-timeout-not-a-duplicate']++
+    if (line.ev !== 'claim' || !line.transactional) continue
+    if (line.outcome === 'in_progress') boundaries['atomic-claim-found-key-busy']++
+    const lockedMeanwhile = (interventionsOf.get(recordId(line.scope, line.key)) ?? []).some((intervention) =>
+      intervention.kind === 'table-lock' && intervention.effective && line.t < intervention.to && line.end > intervention.from)
+    if (line.outcome === 'acquired' && lockedMeanwhile) boundaries['table-lock-not-a-duplicate']++
   }
 
   for (const [id, list] of byKey) {
@@ -473,7 +463,6 @@ export function checkExecutions (history: History, executions: readonly Executio
       partitions: history.interventions.filter((intervention) => intervention.kind === 'partition').length,
       stepsRefused: executions.reduce((sum, exec) => sum + exec.steps.filter((step) => step.refusedAt !== null).length, 0),
       stepsRefusedAfterFence,
-      secondTries,
       boundaries
     }
   }
@@ -623,9 +612,6 @@ export function evidenceHistory (history: History, executions: readonly Executio
   for (const line of history.evidence) {
     if ((line.ev === 'resolve' || line.ev === 'plant') && recordId(line.scope, line.key) === id) {
       events.push({ at: line.t, line: `  ${fmt(line.t)} ${line.ev === 'resolve' ? `reconciler: ${line.action}` : `PLANT: ${line.what}`}` })
-    }
-    if (line.ev === 'lock-timeout' && recordId(line.scope, line.key) === id) {
-      events.push({ at: line.t, line: `  ${fmt(line.t)} instance ${line.instance} pid ${line.pid}: claim's lock wait timed out at ${line.boundMs} ms${line.heldHere ? ' (a transaction of this instance holds the key)' : ''}, ${line.then === 'retry' ? 'tried again' : 'answered 409'}` })
     }
   }
   for (const intervention of history.interventions) {

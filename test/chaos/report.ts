@@ -72,9 +72,8 @@ const BOUNDARY_LABELS: Readonly<Record<Boundary, string>> = {
   'held-past-ttl': 'held records retried past their ttl',
   'partitioned-owner-taken-over': 'takeovers of a partitioned owner still running',
   'step-after-takeover': 'steps attempted after a takeover or force release',
-  'lock-timeout-held-here': 'atomic claims timed out on a key their own instance held (409 at once)',
-  'lock-timeout-tried-again': 'atomic claims timed out at 1 ms and tried again with 100 ms',
-  'lock-timeout-not-a-duplicate': 'of those, claims that then ran (the lock was the table\'s, not a duplicate\'s)',
+  'atomic-claim-found-key-busy': 'atomic claims that found their key\'s lock held by the original\'s transaction (in progress at once)',
+  'table-lock-not-a-duplicate': 'atomic claims that waited for the records table\'s lock, then ran (the lock was not a duplicate\'s)',
   'waiter-answered-across-instances': 'duplicates that waited on another instance and got the replay when the original completed',
   'atomic-waiter-answered-across-instances': 'of those, in atomic mode',
   'waiter-outlived-listener-loss': 'of those, on an instance whose settlement listener was killed while they waited',
@@ -122,7 +121,6 @@ export function formatSummary (report: ChaosReport): string {
           `queue door (${q.workers} job workers, idempotencyRunner, at-least-once delivery with a visibility timeout): ${n(q.jobs)} jobs, ${n(Object.values(q.deliveries).reduce((sum, count) => sum + count, 0))} deliveries: ${n(q.deliveries.first)} first, ${n(q.deliveries.visibility)} after a visibility timeout, ${n(q.deliveries.retry)} after a refusal or failure, ${n(q.deliveries.duplicate)} to two workers at once, ${n(q.deliveries.late)} after the acknowledgement`,
           `queue boundaries crossed${queueMinimum > 0 ? ` (at least ${n(queueMinimum)} each required)` : ''}: ${queueCrossed}`
         ],
-    `atomic claims tried again after a 1 ms lock wait timed out, by what the second try answered: ${n(e.secondTries.completed)} the recorded response (the original committed within 100 ms), ${n(e.secondTries.in_progress)} 409 (still in flight), ${n(e.secondTries.acquired)} acquired (the lock was not a duplicate's), ${n(e.secondTries.error)} failed${e.secondTries.unmatched > 0 ? `, ${n(e.secondTries.unmatched)} without their claim in the log` : ''}`,
     `also: ${n(e.clientDisconnects)} client disconnects seen by a running owner, ${n(e.handlersOutlivingLease)} handlers slower than their lease, ${n(e.holds)} keys held for the reconciler, ${n(e.forceReleases)} force releases, ${n(e.partitions)} partitions of one instance, ${n(e.stepsRefused)} steps refused with LeaseLostError (${n(e.stepsRefusedAfterFence)} after their fn ran on a proven key: the store answered the owner after its lease)`
   ]
   for (const event of report.faultEvents) {

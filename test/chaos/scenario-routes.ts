@@ -19,11 +19,10 @@
  *                    instance without a pre-filter (whose listener connection is killed while they
  *                    wait, in three operations of four), by the pre-filter's copy on the other
  *   wait-atomic      the same in atomic mode: its duplicates hold no connection while they wait
- *   atomic-duplicate atomic mode without `wait` (a claim's lock wait bounded by 1 ms): the handler
- *                    holds its transaction 300–500 ms on the instance without a pre-filter, and
- *                    duplicates arrive meanwhile on that instance (held here: 409 at once) and on
- *                    another (not held there: tried again with a 100 ms bound, then 409 or, when
- *                    the original commits within it, the replay)
+ *   atomic-duplicate atomic mode without `wait` (a claim tries its key's lock, never waits for
+ *                    another transaction): the handler holds its transaction 300–500 ms on the
+ *                    instance without a pre-filter, and duplicates arrive meanwhile on that
+ *                    instance and on another (409 at once, or the replay after the commit)
  */
 
 export const SCENARIOS = ['slow', 'slow-ttl', 'abandon', 'stream', 'stream-paused', 'steps-force', 'steps-partition', 'held', 'atomic-duplicate', 'wait-lease', 'wait-atomic'] as const

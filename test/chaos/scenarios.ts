@@ -145,13 +145,11 @@ export async function runScenario (scenario: Scenario, op: Operation, client: Sc
     }
     case 'atomic-duplicate': {
       // First a lock that is not a duplicate's: the records table locked for 20–50 ms, as a busy
-      // table's extension lock or a short DDL would be. The original's 1 ms lock wait times out on
-      // it; no transaction holds the key, so its claim is tried again with 100 ms, and runs.
-      // The original then holds its transaction 300–500 ms on the instance without a pre-filter, so
-      // that every duplicate reaches the store. One on the same instance, 60–120 ms in: its 1 ms
-      // lock wait times out on a key this instance holds (409 at once). One on another instance,
-      // 200–420 ms in: not held there, so tried again with 100 ms, within which the original
-      // commits in some operations (the replay) and not in others (409), or it came after the commit.
+      // table's extension lock or a short DDL would be. The original's claim waits for it (no
+      // transaction holds the key's lock), and runs. The original then holds its transaction
+      // 300–500 ms on the instance without a pre-filter, so that every duplicate reaches the store:
+      // one on the same instance, 60–120 ms in, and one on another instance, 200–420 ms in; each
+      // finds the key's lock taken (409 at once), or came after the commit (the replay).
       const holder = running.find((instance) => instance.storeOnly)
       const elsewhere = running.filter((instance) => !instance.storeOnly)
       if (holder === undefined || elsewhere.length === 0) break

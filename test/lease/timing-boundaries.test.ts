@@ -114,7 +114,7 @@ t.test('atomic mode: a handler interrupted by handlerTimeout that calls reply.co
   // while, and the handler returns meanwhile.
   const store: IdempotencyStore = {
     ...delayed(inner, { release: () => 150 }),
-    claimInTransaction: async ({ waitMs: _waitMs, ...request }) => {
+    claimInTransaction: async (request) => {
       const result = inner.claim(request)
       return result.outcome === 'acquired' ? { ...result, transaction: {} } : result
     }

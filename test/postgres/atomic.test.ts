@@ -2,14 +2,14 @@ import { spawn } from 'node:child_process'
 import { randomBytes } from 'node:crypto'
 import http from 'node:http'
 import type { AddressInfo } from 'node:net'
-import diagnostics from 'node:diagnostics_channel'
 import { createInterface } from 'node:readline'
 import { fileURLToPath } from 'node:url'
 import Fastify, { type FastifyInstance } from 'fastify'
 import postgres from 'postgres'
 import t, { type Test } from 'tap'
 import idempotency, { InvalidOptionError, memoryStore, type IdempotencyOptions } from '../../lib/index.js'
-import { LOCK_TIMEOUT_CHANNEL, postgresStore, type LockTimeoutEvent, type PostgresStore } from '../../drivers/postgres/index.js'
+import { postgresStore, type PostgresStore } from '../../drivers/postgres/index.js'
+import { keyLock } from '../../drivers/postgres/statements.js'
 import { CLIENT, endPools, exec, poolLike, storeConnection } from '../helpers/postgres-clients.js'
 import { everySlotFree, settledCounts } from '../helpers/pool-accounting.js'
 import { postgresSchema } from '../helpers/postgres-schema.js'
@@ -109,16 +109,21 @@ function suite (url: string): void {
     return { app, store, runs: () => runs }
   }
 
-  /**
-   * Holds an ACCESS EXCLUSIVE lock on the records table until `release`: as a DDL statement's lock
-   * (or the extension lock a concurrent insert holds while it adds a page) would, lock_timeout
-   * fires on it as on a duplicate's uncommitted row.
-   */
+  /** Holds an ACCESS EXCLUSIVE lock on the records table until `release`, as a DDL statement would. */
   async function lockRecordsTable (t: Test): Promise<{ release: () => Promise<void> }> {
+    return await holding(t, async (tx) => { await tx`LOCK TABLE ${tx(schema)}.records IN ACCESS EXCLUSIVE MODE` })
+  }
+
+  /** Holds the advisory lock every atomic claim of (test, key) tries (statements.ts, keyLock) until `release`. */
+  async function lockKey (t: Test, key: string): Promise<{ release: () => Promise<void> }> {
+    return await holding(t, async (tx) => { await tx`SELECT pg_advisory_xact_lock(${keyLock('test', key)}::int8)` })
+  }
+
+  async function holding (t: Test, take: (tx: postgres.TransactionSql) => Promise<void>): Promise<{ release: () => Promise<void> }> {
     const released = deferred()
     const locked = deferred()
     const locker = admin.begin(async (tx) => {
-      await tx`LOCK TABLE ${tx(schema)}.records IN ACCESS EXCLUSIVE MODE`
+      await take(tx)
       locked.resolve()
       await released.promise
     })
@@ -127,30 +132,10 @@ function suite (url: string): void {
     return { release: async () => { released.resolve(); await locker } }
   }
 
-  /** What a claim that waited on lockRecordsTable's lock must end with: it ran, once, and recorded. */
-  async function ranOnceAfterTheLock (t: Test, w: World, response: { statusCode: number }, key: string): Promise<void> {
-    t.equal(response.statusCode, 201, 'the claim ran once the lock was gone')
-    t.equal(w.runs(), 1)
-    t.equal(await payments(key), 1)
-    t.same(await records(key), ['completed'])
-  }
-
-  /** The lock-timeout events published for `key` while the test runs (transaction.ts). */
-  function lockTimeoutsOf (t: Test, key: string): LockTimeoutEvent[] {
-    const seen: LockTimeoutEvent[] = []
-    const listener = (message: unknown): void => { if ((message as LockTimeoutEvent).key === key) seen.push(message as LockTimeoutEvent) }
-    diagnostics.subscribe(LOCK_TIMEOUT_CHANNEL, listener)
-    t.teardown(() => { diagnostics.unsubscribe(LOCK_TIMEOUT_CHANNEL, listener) })
-    return seen
-  }
-
-  /**
-   * Until the first try's lock wait has timed out and been tried again (its event published): what
-   * the tests below release a lock after, so that it goes within the second try's 100 ms however
-   * slow the machine, instead of after a sleep the machine may outlast.
-   */
-  async function triedAgain (timeouts: readonly LockTimeoutEvent[]): Promise<void> {
-    for (let i = 0; i < 1_000 && !timeouts.some((e) => e.then === 'retry'); i++) await sleep(1)
+  /** A completed record for (test, key) past its ttl: the next claim reclaims it as a fresh key. */
+  async function plantExpired (key: string): Promise<void> {
+    await admin.unsafe(`INSERT INTO "${schema}".records (scope, key, fingerprint, fingerprint_algorithm, state, owner_token, expires_at,
+      response_status, response_headers, response_body) VALUES ('test', $1, $2, 'test', 'completed', gen_random_uuid(), '-infinity', 201, '{}', 'old')`, [key, Buffer.alloc(32, 7)])
   }
 
   const pay = (app: FastifyInstance, key: string, body: object) =>
@@ -240,77 +225,63 @@ function suite (url: string): void {
     t.equal(w.runs(), 1)
   })
 
-  t.test('a claim whose lock wait timed out on something other than a duplicate (a table lock held for a moment) is tried again, and runs: no 409 for a key nobody holds', async (t) => {
-    // wait 90 ms: under the 100 ms below which a timed-out wait is tried once more (transaction.ts)
-    const w = await world(t, { wait: 90 })
-    const timeouts = lockTimeoutsOf(t, 'k-lock')
+  t.test('a claim that meets a lock that is no claim\'s (a table lock, as DDL takes) waits for it, and runs: no 409 for a key nobody holds', async (t) => {
+    const w = await world(t)
     const lock = await lockRecordsTable(t)
     const answer = pay(w.app, 'k-lock', { amount: 1 })
     const waiting = async (): Promise<boolean> => (await admin`
       SELECT 1 FROM pg_locks WHERE relation = ${`"${schema}".records`}::regclass AND NOT granted`).length > 0
     for (let i = 0; i < 500 && !await waiting(); i++) await sleep(5)
     t.ok(await waiting(), 'the claim waits on the table lock')
-    // The first attempt timed out after `wait`; the lock goes while the second waits.
-    await triedAgain(timeouts)
     await lock.release()
-    await ranOnceAfterTheLock(t, w, await answer, 'k-lock')
-    t.match(timeouts, [{ scope: 'test', key: 'k-lock', boundMs: 90, then: 'retry', heldHere: false }], 'the timeout was published once, as retried')
-    t.equal(timeouts.length, 1)
+    const response = await answer
+    t.equal(response.statusCode, 201, 'the claim ran once the lock was gone')
+    t.equal(w.runs(), 1)
+    t.equal(await payments('k-lock'), 1)
+    t.same(await records('k-lock'), ['completed'])
   })
 
-  t.test('without wait, a claim that meets a lock held for a moment elsewhere (past its first 1 ms try) runs: tried again with a longer bound, not answered 409', async (t) => {
-    // Seen in CI: a busy machine held a lock (the table's extension lock, presumably) past two
-    // 1 ms bounds, and 2 of 30 fresh keys got 409. The second try is bounded by 100 ms.
-    const w = await world(t)
-    const timeouts = lockTimeoutsOf(t, 'k-moment')
-    const lock = await lockRecordsTable(t)
-    const answer = pay(w.app, 'k-moment', { amount: 1 })
-    await triedAgain(timeouts)
-    await lock.release()
-    await ranOnceAfterTheLock(t, w, await answer, 'k-moment')
-    t.same(timeouts.map((e) => [e.boundMs, e.then, e.heldHere]), [[1, 'retry', false]], 'one timeout, of the 1 ms bound, tried again')
-  })
-
-  t.test('without wait, a duplicate of an original held by another instance is tried again with the longer bound: the original commits within it, and the duplicate replays', async (t) => {
+  t.test('without wait, a duplicate of an original held by another instance is answered 409 at once, without waiting for its transaction', async (t) => {
     const gate = deferred()
     const entered = deferred()
     const a = await world(t, {}, async () => { entered.resolve(); await gate.promise })
     const b = await world(t)
-    const timeouts = lockTimeoutsOf(t, 'k-elsewhere')
     const original = pay(a.app, 'k-elsewhere', { amount: 5 })
     await entered.promise
-    const duplicate = pay(b.app, 'k-elsewhere', { amount: 5 })
-    await triedAgain(timeouts)
+    const duplicate = await pay(b.app, 'k-elsewhere', { amount: 5 })
+    t.equal(duplicate.statusCode, 409, 'answered while the original is still in flight')
+    t.equal(await drained(b.store), 0, 'the duplicate holds no transaction')
     gate.resolve()
     t.equal((await original).statusCode, 201)
-    const answer = await duplicate
-    t.equal(answer.statusCode, 201, 'the recorded response, not 409')
-    t.equal(answer.headers['idempotent-replayed'], 'true')
+    const replay = await pay(b.app, 'k-elsewhere', { amount: 5 })
+    t.equal(replay.headers['idempotent-replayed'], 'true', 'after the commit, the duplicate replays')
     t.equal(a.runs() + b.runs(), 1, 'ran once')
     t.equal(await payments('k-elsewhere'), 1)
-    t.same(timeouts.map((e) => [e.boundMs, e.then, e.heldHere]), [[1, 'retry', false]], 'the first try timed out and was tried again; the second did not time out')
   })
 
-  t.test('without wait, a duplicate of an original this instance holds is answered 409 at once: no second try with the longer bound', async (t) => {
-    const gate = deferred()
-    const entered = deferred()
-    const w = await world(t, {}, async () => { entered.resolve(); await gate.promise })
-    const timeouts = lockTimeoutsOf(t, 'k-here')
-    const original = pay(w.app, 'k-here', { amount: 5 })
-    await entered.promise
-    let answered = false
-    const duplicate = pay(w.app, 'k-here', { amount: 5 }).finally(() => { answered = true })
-    // A second try would wait up to 100 ms on the original, which commits after 80 ms: it would
-    // then replay. Answered from what this instance knows, the duplicate gets 409 before that.
-    await sleep(80)
-    const answeredBeforeCommit = answered
-    gate.resolve()
-    t.equal((await original).statusCode, 201)
-    const answer = await duplicate
-    t.equal(answer.statusCode, 409)
-    t.ok(answeredBeforeCommit, 'answered while the original was still in flight')
+  t.test('a claim that finds the key\'s lock taken answers from the record it sees: a completed one replays, an expired one is not reclaimed under the lock', async (t) => {
+    const w = await world(t)
+    const completed = await pay(w.app, 'k-done', { amount: 3 })
+    t.equal(completed.statusCode, 201)
+    const lock = await lockKey(t, 'k-done')
+    const replay = await pay(w.app, 'k-done', { amount: 3 })
+    t.equal(replay.statusCode, 201)
+    t.equal(replay.headers['idempotent-replayed'], 'true', 'a duplicate holding the lock for a moment does not hide a completed record')
     t.equal(w.runs(), 1)
-    t.same(timeouts.map((e) => [e.boundMs, e.then, e.heldHere]), [[1, 'in_progress', true]], 'published as held here, answered 409')
+    await lock.release()
+
+    // An expired record whose lock another transaction holds (a reclaim in flight): the claim
+    // does not reclaim it (it would wait for that transaction's row lock), and answers 409.
+    await plantExpired('k-old')
+    const held = await lockKey(t, 'k-old')
+    const busy = await pay(w.app, 'k-old', { amount: 4 })
+    t.equal(busy.statusCode, 409)
+    t.equal(w.runs(), 1, 'nothing ran')
+    await held.release()
+    const fresh = await pay(w.app, 'k-old', { amount: 4 })
+    t.equal(fresh.statusCode, 201, 'once the lock is free, the expired record is reclaimed')
+    t.equal(w.runs(), 2)
+    t.same(await records('k-old'), ['completed'])
   })
 
   t.test('a client that goes away rolls the transaction back; the handler cannot write afterwards', async (t) => {

@@ -44,6 +44,7 @@ t.test('the checker finds the forms Citus refuses, and passes the ones it accept
     'SELECT key FROM r WHERE key = $1 FOR UPDATE',
     'DELETE FROM r WHERE expires_at <= now()',
     "SELECT set_config('lock_timeout', '5', true)",
+    'SELECT set_config($1, $2, true)',
     'CREATE TABLE r (scope text, key text, PRIMARY KEY (key))',
     'CREATE UNIQUE INDEX r_key ON r (key)',
     'CREATE INDEX a ON r (expires_at); CREATE INDEX b ON r (lease_expires_at)',
@@ -59,6 +60,7 @@ t.test('the checker finds the forms Citus refuses, and passes the ones it accept
     'INSERT INTO r (scope, key, expires_at) VALUES ($1, $2, $3) ON CONFLICT (scope, key) DO UPDATE SET expires_at = EXCLUDED.expires_at',
     'SELECT key FROM r WHERE scope = $1 AND key = $2 FOR UPDATE',
     'BEGIN; set local lock_timeout = 5',
+    "WITH attempt AS MATERIALIZED (SELECT pg_try_advisory_xact_lock($6::int8) AS got, set_config('fastify_idempotency.transaction', 'open', true)) SELECT got FROM attempt",
     'CREATE TABLE r (scope text, key text, PRIMARY KEY (scope, key))'
   ]
   for (const text of accepted) t.same(citusViolations(text), [], text)
@@ -191,21 +193,21 @@ function suite (url: string): void {
     t.equal(await s.purgeExpired(), 0)
     t.same(await sql.unsafe(`SELECT name FROM ${outbox}`), [], 'the delivered messages purged (retention 0) along with the records')
 
-    // Atomic mode: commit, rollback, and duplicates bounded by lock_timeout: one held by another
-    // store (tried a second time with a longer bound), one held by the same store (answered at once).
+    // Atomic mode: commit, rollback, and a duplicate of an uncommitted claim (the key's lock tried,
+    // not waited for), from another store and from the same one.
     const other = store({ table: 'records' })
-    const committed = acquired(await s.claimInTransaction({ ...request('atomic'), waitMs: 1000 }))
+    const committed = acquired(await s.claimInTransaction(request('atomic')))
     t.equal(await s.complete(committed, { statusCode: 201, headers: {}, body: null }, HOUR), true)
-    t.match(await s.claimInTransaction({ ...request('atomic'), waitMs: 1000 }), { outcome: 'completed' })
-    t.equal(await s.release(acquired(await s.claimInTransaction({ ...request('rolled-back'), waitMs: 1000 }))), true)
-    const holding = acquired(await other.claimInTransaction({ ...request('busy'), waitMs: 1000 }))
-    t.match(await s.claimInTransaction({ ...request('busy'), waitMs: 10 }), { outcome: 'in_progress' }, 'held elsewhere: timed out twice')
-    t.match(await other.claimInTransaction({ ...request('busy'), waitMs: 10 }), { outcome: 'in_progress' }, 'held here: answered at once')
+    t.match(await s.claimInTransaction(request('atomic')), { outcome: 'completed' })
+    t.equal(await s.release(acquired(await s.claimInTransaction(request('rolled-back')))), true)
+    const holding = acquired(await other.claimInTransaction(request('busy')))
+    t.match(await s.claimInTransaction(request('busy')), { outcome: 'in_progress', unseen: true }, 'held elsewhere: answered at once')
+    t.match(await other.claimInTransaction(request('busy')), { outcome: 'in_progress', unseen: true }, 'held here: answered at once')
     t.equal(await other.release(holding), true)
 
     const found = [...sent].map((text) => ({ text: text.replace(/\s+/g, ' ').trim(), violations: citusViolations(text) })).filter((entry) => entry.violations.length > 0)
     t.same(found, [], `${sent.size} distinct statements sent; none breaks a rule`)
-    t.ok([...sent].some((text) => /lock_timeout = 100\b/.test(text)), 'the second, longer lock bound was sent')
+    t.ok([...sent].some((text) => /pg_try_advisory_xact_lock/.test(text)), 'the atomic claim tries the key\'s lock')
   })
 
   t.test(`resume: a held record becomes an ordinary one whose lease has lapsed, expiring no earlier than a ttl from now (${CLIENT_NAME})`, async (t) => {

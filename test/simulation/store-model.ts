@@ -63,8 +63,6 @@ export class StoreModel {
   readonly transactions = new Map<string, Transaction>()
   /** Key → the open transaction holding its lock. */
   readonly locks = new Map<string, Transaction>()
-  /** Claims waiting for a key's lock: resumed when it is released, or at their deadline. */
-  readonly #lockWaiters = new Map<string, Set<() => void>>()
   readonly committedEffects: Effect[] = []
 
   constructor (private readonly observer: StoreObserver, random: () => number) {
@@ -109,9 +107,9 @@ export class StoreModel {
 
   /**
    * Atomic mode: the claim inside a new transaction. A key locked by another open transaction is
-   * waited for (at most `waitMs`, at least 1 ms); `answer` receives the result when there is one.
+   * not waited for: in progress at once, its record unseen (the driver's tried advisory lock).
    */
-  claimInTransaction (request: ClaimRequest & { readonly waitMs: number }, requestId: number | null, answer: (result: ClaimResult) => void): void {
+  claimInTransaction (request: ClaimRequest, requestId: number | null, answer: (result: ClaimResult) => void): void {
     const attempt = (): boolean => {
       if (this.locks.has(request.key)) return false
       const existing = this.records.get(request.key)
@@ -138,23 +136,8 @@ export class StoreModel {
       return true
     }
     if (attempt()) return
-    let done = false
-    const wake = (): void => {
-      if (done || !attempt()) return
-      done = true
-      this.#lockWaiters.get(request.key)?.delete(wake)
-    }
-    let waiting = this.#lockWaiters.get(request.key)
-    if (waiting === undefined) this.#lockWaiters.set(request.key, waiting = new Set())
-    waiting.add(wake)
-    setTimeout(() => {
-      if (done) return
-      done = true
-      this.#lockWaiters.get(request.key)?.delete(wake)
-      touch()
-      // lock_timeout: the claim cannot tell the original's fingerprint while it is uncommitted.
-      answer({ outcome: 'in_progress', fingerprint: request.fingerprint, leaseRemainingMs: 0 })
-    }, Math.max(1, Math.ceil(request.waitMs)))
+    touch()
+    answer({ outcome: 'in_progress', fingerprint: request.fingerprint, leaseRemainingMs: 0, unseen: true })
   }
 
   /**
@@ -177,7 +160,6 @@ export class StoreModel {
     transaction.state = state
     this.locks.delete(transaction.key)
     this.transactions.delete(transaction.token)
-    for (const wake of [...(this.#lockWaiters.get(transaction.key) ?? [])]) wake()
   }
 
   #owned (lease: Lease): ModelRecord | undefined {

@@ -26,7 +26,7 @@ const PUBLIC: Readonly<Record<string, readonly string[]>> = {
     'settlementDigest'
   ],
   'drivers/postgres/index.ts': [
-    'AtomicTransaction', 'AtomicTransactionTypes', 'BackgroundTask', 'DeliveryReport', 'LOCK_TIMEOUT_CHANNEL', 'LockTimeoutEvent', 'NodePostgresPoolLike',
+    'AtomicTransaction', 'AtomicTransactionTypes', 'BackgroundTask', 'DeliveryReport', 'NodePostgresPoolLike',
     'OutboxMessage', 'OutboxOptions', 'PostgresClient', 'PostgresStore', 'PostgresStoreOptions', 'TableOptions', 'migrate', 'postgresStore'
   ],
   'drivers/redis/index.ts': ['PrefilterClosedError', 'PrefilterStats', 'PrefilterTimeoutError', 'RedisPrefilter', 'RedisPrefilterOptions', 'redisPrefilter'],
