@@ -179,12 +179,13 @@ async function claimRounds (engine: Engine, state: RequestState, claim: ClaimReq
       let result: ClaimResult
       try {
         const settled = woken && settings.transaction ? await readSettled(engine, state) : null
+        const ask = settings.transaction ? () => claimInTransaction(engine, claim) : () => engine.store.claim(claim)
         if (settled !== null) {
           result = settled
-        } else if (settings.transaction) {
-          result = await bounded('claim', settings.storeTimeout, () => claimInTransaction(engine, claim), giveBackLate(engine, state))
+        } else if (follower !== null) {
+          result = await sharedClaim(engine, state, claim, ask)
         } else {
-          result = await bounded('claim', settings.storeTimeout, () => engine.store.claim(claim), giveBackLate(engine, state))
+          result = await bounded('claim', settings.storeTimeout, ask, giveBackLate(engine, state))
         }
       } catch (err) {
         if (state.markedInFlight) clearInFlight(engine, state)
@@ -238,7 +239,9 @@ function pauseFor (engine: Engine, held: ClaimInProgress, poll: number, remainin
  * yet visible): the caller claims.
  */
 async function readSettled (engine: Engine, state: RequestState): Promise<ClaimCompleted | null> {
-  const record = await bounded('claim', state.settings.storeTimeout, () => engine.store.get({ scope: state.scope, key: state.key }), () => {})
+  const { answer } = engine.sharedCalls.run(`get\n${localId(state.scope, state.key)}`,
+    () => bounded('claim', state.settings.storeTimeout, () => engine.store.get({ scope: state.scope, key: state.key }), () => {}))
+  const record = await answer
   return record?.state === 'completed' ? { outcome: 'completed', fingerprint: record.fingerprint, response: record.response } : null
 }
 
@@ -291,6 +294,23 @@ function becomeOwner (engine: Engine, state: RequestState, result: ClaimAcquired
   if (state.settings.wait > 0) markInFlight(engine, state, context.fingerprint)
   // Atomic mode: the open transaction holds the record, and a crash rolls it back.
   if (result.transaction !== undefined) context.sql = result.transaction
+}
+
+/**
+ * A waiting duplicate's claim, joined to the claim of the same key another waiting duplicate of this
+ * process has in flight, if any (lib/core/shared-calls.ts). A joined claim that acquired the key is
+ * that duplicate's to run: this one then asks for itself.
+ */
+async function sharedClaim (engine: Engine, state: RequestState, claim: ClaimRequest, ask: () => Answer<ClaimResult>): Promise<ClaimResult> {
+  const settings = state.settings
+  const call = (): Answer<ClaimResult> => bounded('claim', settings.storeTimeout, ask, giveBackLate(engine, state))
+  const { answer, own } = engine.sharedCalls.run(`${settings.transaction ? 'claimInTransaction' : 'claim'}\n${localId(state.scope, state.key)}`, call)
+  const joined = await answer
+  if (own) return joined
+  // Unseen: the record in the way could not be read, and the fingerprint is the asker's, not its.
+  if (joined.outcome === 'in_progress' && joined.unseen === true) return { ...joined, fingerprint: claim.fingerprint }
+  if (joined.outcome !== 'acquired') return joined
+  return await call()
 }
 
 /** A claim that lands after its storeTimeout was answered (503, an error, or a bypass): given back at once. */

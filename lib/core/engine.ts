@@ -3,6 +3,7 @@ import { deriveFingerprintKeys, type FingerprintKeys } from './fingerprint-keys.
 import type { Keyring } from './keyring.js'
 import type { Metrics } from './observe.js'
 import type { IdempotencyPrefilter } from './prefilter.js'
+import { SharedCalls } from './shared-calls.js'
 import type { IdempotencyStore } from './store.js'
 import { Waiters } from './waiters.js'
 
@@ -12,6 +13,8 @@ export interface Engine {
   readonly store: IdempotencyStore
   readonly prefilter: IdempotencyPrefilter | null
   readonly waiters: Waiters
+  /** The store calls of waiting duplicates, shared by those of the same key (lib/core/shared-calls.ts). */
+  readonly sharedCalls: SharedCalls
   /** The `metrics` option's instruments, or null (lib/core/observe.ts). */
   readonly metrics: Metrics | null
   /** MAC keys of keyed fingerprints, derived from the `encryption` option (lib/core/fingerprint-keys.ts), or null. */
@@ -28,6 +31,7 @@ export function createEngine (store: IdempotencyStore, prefilter: IdempotencyPre
     store: atRest.store,
     prefilter: atRest.prefilter,
     waiters: new Waiters(atRest.store),
+    sharedCalls: new SharedCalls(),
     metrics,
     fingerprintKeys: keyring === null ? null : deriveFingerprintKeys(keyring),
     closed: false
