@@ -307,10 +307,17 @@ async function sharedClaim (engine: Engine, state: RequestState, claim: ClaimReq
   const { answer, own } = engine.sharedCalls.run(`${settings.transaction ? 'claimInTransaction' : 'claim'}\n${localId(state.scope, state.key)}`, call)
   const joined = await answer
   if (own) return joined
-  // Unseen: the record in the way could not be read, and the fingerprint is the asker's, not its.
-  if (joined.outcome === 'in_progress' && joined.unseen === true) return { ...joined, fingerprint: claim.fingerprint }
-  if (joined.outcome !== 'acquired') return joined
-  return await call()
+  switch (joined.outcome) {
+    case 'in_progress':
+      // Unseen: the record in the way could not be read, and the fingerprint is the asker's, not its.
+      return joined.unseen === true ? { ...joined, fingerprint: claim.fingerprint } : joined
+    case 'completed':
+      // Without its retention: counted from the asker's call, which this one did not time, it could
+      // let a pre-filter copy outlive the record. The asker copies it.
+      return { outcome: 'completed', fingerprint: joined.fingerprint, response: joined.response }
+    case 'acquired':
+      return await call()
+  }
 }
 
 /** A claim that lands after its storeTimeout was answered (503, an error, or a bypass): given back at once. */
