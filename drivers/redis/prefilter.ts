@@ -1,6 +1,8 @@
 import { randomUUID } from 'node:crypto'
+import type { Cluster, Redis } from 'ioredis'
 import type { IdempotencyPrefilter, PrefilterHit } from '../../lib/core/prefilter.js'
-import type { Fingerprint, RecordId, StoredResponse } from '../../lib/core/store.js'
+import type { Fingerprint, RecordId, SettlementHandlers, StoredResponse } from '../../lib/core/store.js'
+import { settlementDigest } from '../../lib/core/waiters.js'
 import { PrefilterClosedError, PrefilterTimeoutError } from './errors.js'
 import { FIELD, recordKey } from './keys.js'
 import { resolvePrefilterOptions, type RedisPrefilterOptions } from './options.js'
@@ -35,6 +37,8 @@ export interface RedisPrefilter extends IdempotencyPrefilter {
 
 export function redisPrefilter (options: RedisPrefilterOptions): RedisPrefilter {
   const { client, prefix, timeout, pipeline } = resolvePrefilterOptions(options)
+  /** Where settlements of marked keys are published (scripts.ts, CLEAR and REMEMBER): settlementDigest(scope, key). */
+  const channel = `${prefix}:settled`
   defineScripts(client)
   const enqueue = pipelining(client, pipeline)
   const stats = { hits: 0, misses: 0, failures: 0 }
@@ -146,7 +150,7 @@ export function redisPrefilter (options: RedisPrefilterOptions): RedisPrefilter 
       // No token: the request never wrote a marker, so none is its to clear (and a round trip saved).
       const owner = caller.owner
       if (owner === null) return
-      await bounded('clearInFlight', (redis, done) => redis[COMMAND.clear](caller.key, owner, done))
+      await bounded('clearInFlight', (redis, done) => redis[COMMAND.clear](caller.key, owner, channel, settlementDigest(id.scope, id.key), done))
     },
 
     async remember (id, fingerprint, response, ttlMs) {
@@ -155,8 +159,10 @@ export function redisPrefilter (options: RedisPrefilterOptions): RedisPrefilter 
       const retained = response.body !== null
       await bounded('remember', (redis, done) => redis[COMMAND.remember](
         callerOf(id).key, fingerprint.algorithm, fingerprint.digest, response.statusCode,
-        JSON.stringify(response.headers), retained ? '1' : '0', response.body ?? EMPTY, ttl, done))
+        JSON.stringify(response.headers), retained ? '1' : '0', response.body ?? EMPTY, ttl, channel, settlementDigest(id.scope, id.key), done))
     },
+
+    watchSettlements: (handlers) => watchSettlements(client, channel, handlers),
 
     async close () {
       // The client is the user's: only our own deadlines stop, and waiting calls reject.
@@ -170,6 +176,28 @@ export function redisPrefilter (options: RedisPrefilterOptions): RedisPrefilter 
 }
 
 const EMPTY = Buffer.alloc(0)
+
+/**
+ * The settlements published on `channel`, through a connection of its own (a subscribed connection
+ * runs no other command): `client.duplicate()`, with the client's settings. ioredis reconnects it
+ * and subscribes again by itself; notices flow from each 'ready' to the next 'close'.
+ */
+function watchSettlements (client: Redis | Cluster, channel: string, handlers: SettlementHandlers): () => void {
+  // Redis and Cluster both duplicate with no argument; their signatures do not unify in the types.
+  const subscriber = (client as Redis).duplicate()
+  let stopped = false
+  const live = (flowing: boolean) => () => { if (!stopped) handlers.live(flowing) }
+  // Reported by 'close', which follows; without a listener an 'error' event would end the process.
+  subscriber.on('error', () => {})
+  subscriber.on('message', (from: string, digest: string) => { if (from === channel && !stopped) handlers.settled(digest) })
+  subscriber.on('ready', live(true))
+  subscriber.on('close', live(false))
+  subscriber.subscribe(channel).catch(() => {})
+  return () => {
+    stopped = true
+    subscriber.disconnect()
+  }
+}
 
 /** What the pre-filter keeps of one request (one RecordId object). */
 interface Caller {

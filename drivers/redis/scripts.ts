@@ -25,8 +25,8 @@ export const COMMAND = Object.freeze({
   lookupOrMark: 'idempotencyLookupOrMarkOwned',
   lookupOrMarkBuffer: 'idempotencyLookupOrMarkOwnedBuffer',
   mark: 'idempotencyMarkOwned',
-  clear: 'idempotencyClearOwned',
-  remember: 'idempotencyRemember'
+  clear: 'idempotencyClearOwnedAnnounced',
+  remember: 'idempotencyRememberAnnounced'
 })
 
 /**
@@ -69,15 +69,20 @@ redis.call('PEXPIRE', KEYS[1], ARGV[3])
 return 1
 `
 
-/** KEYS[1] = record hash; ARGV = owner token. Returns 1 if the caller's marker was deleted, 0 otherwise. */
+/**
+ * KEYS[1] = record hash; ARGV = owner token, settlement channel, settlement digest. Returns 1 if the
+ * caller's marker was deleted, 0 otherwise.
+ */
 const CLEAR = `
 -- Only the caller's own marker goes. Another request's marker stays (its owner may be running; the
 -- caller's own may have expired and been replaced meanwhile), a marker without an owner too (its
 -- ttl ends it), and so does a completed record copied in meanwhile, which keeps replaying.
 local marker = redis.call('HMGET', KEYS[1], 'state', 'owner')
 if marker[1] == 'in_progress' and marker[2] == ARGV[1] then
-  -- DEL returns 1: the marker existed and is gone.
-  return redis.call('DEL', KEYS[1])
+  redis.call('DEL', KEYS[1])
+  -- The owner gave the key back: duplicates waiting on the marker, in any process, are told.
+  redis.call('PUBLISH', ARGV[2], ARGV[3])
+  return 1
 end
 -- Nothing, someone else's marker, or a completed record: left alone.
 return 0
@@ -85,10 +90,12 @@ return 0
 
 /**
  * KEYS[1] = record hash; ARGV = algorithm, digest (bytes), status code, headers (JSON),
- * retained ('1' or '0'), body (bytes; empty when not retained), ttl ms.
+ * retained ('1' or '0'), body (bytes; empty when not retained), ttl ms, settlement channel,
+ * settlement digest.
  */
 const REMEMBER = `
 -- Replace whatever is there (usually the owner's marker) as one unit.
+local was = redis.call('HGET', KEYS[1], 'state')
 redis.call('DEL', KEYS[1])
 -- The committed record and the fingerprint it answers for (a mismatch must still get 422).
 redis.call('HSET', KEYS[1], 'state', 'completed', 'alg', ARGV[1], 'digest', ARGV[2], 'status', ARGV[3], 'headers', ARGV[4])
@@ -97,6 +104,9 @@ redis.call('HSET', KEYS[1], 'state', 'completed', 'alg', ARGV[1], 'digest', ARGV
 if ARGV[5] == '1' then redis.call('HSET', KEYS[1], 'body', ARGV[6]) end
 -- Never outlive the store's record: ttl is at most its remaining retention.
 redis.call('PEXPIRE', KEYS[1], ARGV[7])
+-- A marker was there: duplicates may be waiting on it, in any process, and are told. A route
+-- without wait writes no marker, and its copies publish nothing.
+if was == 'in_progress' then redis.call('PUBLISH', ARGV[8], ARGV[9]) end
 return 1
 `
 
@@ -113,9 +123,9 @@ export interface ScriptedCommands {
   hgetallBuffer: (key: string, done: Done<Record<string, Buffer>>) => unknown
   [COMMAND.lookupOrMarkBuffer]: (key: string, algorithm: string, digest: Buffer, ttlMs: number, owner: string, done: Done<Buffer[]>) => unknown
   [COMMAND.mark]: (key: string, algorithm: string, digest: Buffer, ttlMs: number, owner: string, done: Done<unknown>) => unknown
-  [COMMAND.clear]: (key: string, owner: string, done: Done<unknown>) => unknown
+  [COMMAND.clear]: (key: string, owner: string, channel: string, settlement: string, done: Done<unknown>) => unknown
   [COMMAND.remember]: (key: string, algorithm: string, digest: Buffer, status: number, headers: string,
-    retained: '1' | '0', body: Buffer, ttlMs: number, done: Done<unknown>) => unknown
+    retained: '1' | '0', body: Buffer, ttlMs: number, channel: string, settlement: string, done: Done<unknown>) => unknown
 }
 
 /**

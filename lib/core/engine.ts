@@ -30,7 +30,7 @@ export function createEngine (store: IdempotencyStore, prefilter: IdempotencyPre
   return {
     store: atRest.store,
     prefilter: atRest.prefilter,
-    waiters: new Waiters(atRest.store),
+    waiters: new Waiters(atRest.store, atRest.prefilter),
     sharedCalls: new SharedCalls(),
     metrics,
     fingerprintKeys: keyring === null ? null : deriveFingerprintKeys(keyring),

@@ -1,4 +1,4 @@
-import type { Fingerprint, RecordId, StoredResponse } from './store.js'
+import type { Fingerprint, RecordId, SettlementHandlers, StoredResponse } from './store.js'
 
 /**
  * The optional pre-filter in front of the store. It answers retry storms of completed keys from
@@ -56,6 +56,15 @@ export interface IdempotencyPrefilter {
 
   /** Stops what the pre-filter started (never a client the user passed in). */
   close (): Promise<void>
+
+  /**
+   * Optional: as {@link IdempotencyStore.watchSettlements}, for the settlements the pre-filter
+   * sees: an owner's in-flight marker replaced by its completed copy (`remember`) or cleared
+   * (`clearInFlight`). Markers are written on routes with `wait` only, which are the settlements a
+   * duplicate may wait for. Waiters listen to the store's notices and to these alike: either wakes
+   * them, and they read the record in the store.
+   */
+  watchSettlements? (handlers: SettlementHandlers): () => void
 }
 
 export type PrefilterHit =

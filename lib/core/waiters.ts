@@ -1,64 +1,71 @@
 import { createHash } from 'node:crypto'
 import type { IdempotencyStore } from './store.js'
 
+/** What can tell of settlements in other processes: the store, the pre-filter. */
+type Watchable = Pick<IdempotencyStore, 'watchSettlements'>
+
 /**
  * Wake-ups for duplicates waiting on an in-flight original (the `wait` option). A key settled by
  * this process wakes its local waiters at once. A key settled by another process wakes them
- * through the store's settlement notices (IdempotencyStore.watchSettlements: one watch per
- * registration, opened at its first wait), while they flow; while they do not (a store without
- * them, a watch lost and not yet back), waiters poll the store.
+ * through settlement notices (`watchSettlements`: the store's, and the pre-filter's; one watch each
+ * per registration, opened at its first wait), while any of them flows; while none does (no source
+ * has them, every watch lost and not back yet), waiters poll the store.
  */
 export class Waiters {
   /** Each followed id's followers, as the function that tells one of a notice. */
   readonly #waiting = new Map<string, Set<(settled: boolean) => void>>()
   /** The ids waited for, by settlement digest (what a notice names); kept only while a watch is open. */
   readonly #byDigest = new Map<string, string>()
-  #store: IdempotencyStore | null = null
-  #stopWatch: (() => void) | null = null
-  #live = false
+  #sources: Watchable[]
+  readonly #stopWatches: Array<() => void> = []
+  /** The sources whose notices flow now. */
+  readonly #flowing = new Set<Watchable>()
   #stopped = false
 
-  /** `store`: where notices come from, or null (in-process wake-ups only). */
-  constructor (store: IdempotencyStore | null = null) {
-    this.#store = store?.watchSettlements === undefined ? null : store
+  /** `sources`: where notices come from (the store, the pre-filter); none: in-process wake-ups only. */
+  constructor (...sources: ReadonlyArray<Watchable | null>) {
+    this.#sources = sources.filter((source): source is Watchable => source?.watchSettlements !== undefined)
   }
 
-  /** True while the store's notices flow: a waiter may then sleep until it is woken (or its original's lease lapses) instead of polling. */
+  /** True while notices flow: a waiter may then sleep until it is woken (or its original's lease lapses) instead of polling. */
   get live (): boolean {
-    return this.#live
+    return this.#flowing.size > 0
   }
 
   /**
-   * Opens the store's watch, once: at the first claim that duplicates may wait for, so that the
-   * watch is usually in place by the time one does.
+   * Opens the watches, once: at the first claim that duplicates may wait for, so that they are
+   * usually in place by the time one does.
    */
   watch (): void {
-    const store = this.#store
-    if (store === null || this.#stopped) return
-    this.#store = null
-    const watch = store.watchSettlements as NonNullable<IdempotencyStore['watchSettlements']>
-    let stop: () => void
+    const sources = this.#sources
+    if (sources.length === 0 || this.#stopped) return
+    this.#sources = []
+    for (const source of sources) this.#watch(source)
+    // Keys already waited for are indexed now, so a first notice finds them.
+    if (this.#stopWatches.length > 0) for (const id of this.#waiting.keys()) this.#byDigest.set(digestOf(id), id)
+  }
+
+  #watch (source: Watchable): void {
+    const watch = source.watchSettlements as NonNullable<Watchable['watchSettlements']>
     try {
-      stop = watch.call(store, {
+      this.#stopWatches.push(watch.call(source, {
         settled: (digest) => {
           const id = this.#byDigest.get(digest)
           if (id !== undefined) this.notify(id)
         },
         live: (flowing) => {
-          if (flowing === this.#live || this.#stopped) return
-          this.#live = flowing
+          if (flowing === this.#flowing.has(source) || this.#stopped) return
+          const wasLive = this.live
+          if (flowing) this.#flowing.add(source)
+          else this.#flowing.delete(source)
           // Either way every waiter reads its record once more: a notice may have been missed while
           // the watch was down, and a waiter sleeping on notices must start polling now.
-          for (const id of [...this.#waiting.keys()]) this.notify(id, false)
+          if (this.live !== wasLive) for (const id of [...this.#waiting.keys()]) this.notify(id, false)
         }
-      })
+      }))
     } catch {
-      // A store that cannot watch after all: its waiters poll, as without the method.
-      return
+      // A source that cannot watch after all: its notices never come, as without the method.
     }
-    this.#stopWatch = stop
-    // Keys already waited for are indexed now, so a first notice finds them.
-    for (const id of this.#waiting.keys()) this.#byDigest.set(digestOf(id), id)
   }
 
   /**
@@ -72,7 +79,7 @@ export class Waiters {
     if (set === undefined) {
       set = new Set()
       this.#waiting.set(id, set)
-      if (this.#stopWatch !== null) this.#byDigest.set(digestOf(id), id)
+      if (this.#stopWatches.length > 0) this.#byDigest.set(digestOf(id), id)
     }
     const followers = set
     return new Follower(followers, (noticed) => {
@@ -91,13 +98,12 @@ export class Waiters {
     for (const noticed of [...set]) noticed(settled)
   }
 
-  /** Stops the watch (the registration or runner closed); waiters poll from then on. */
+  /** Stops the watches (the registration or runner closed); waiters poll from then on. */
   stop (): void {
     this.#stopped = true
-    this.#store = null
-    this.#stopWatch?.()
-    this.#stopWatch = null
-    this.#live = false
+    this.#sources = []
+    for (const stop of this.#stopWatches.splice(0)) stop()
+    this.#flowing.clear()
     this.#byDigest.clear()
   }
 }
