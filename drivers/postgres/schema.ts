@@ -11,9 +11,8 @@ import { resolveDatabase, resolveNames, type NodePostgresPoolLike, type Postgres
  * (every boot but the first) migrate() locks no table. `ALTER TABLE … ADD COLUMN IF NOT EXISTS`
  * takes an ACCESS EXCLUSIVE lock and `CREATE INDEX IF NOT EXISTS` a SHARE lock even when they
  * change nothing; each waits for the transactions in flight on the table (atomic mode holds one
- * per request until its handler ends), and every claim queues behind it meanwhile: lease-mode
- * claims stall, and atomic-mode claims, bounded by `lock_timeout`, would fail as if a duplicate
- * held their key. A booting instance must not do that to the ones serving.
+ * per request until its handler ends), and every claim queues behind it meanwhile: claims stall
+ * until `storeTimeout` answers them 503. A booting instance must not do that to the ones serving.
  *
  * The same DDL, with the default names, ships as plain SQL in `drivers/postgres/schema.sql` for
  * migration tools; a test checks that both produce the same tables.

@@ -129,11 +129,10 @@ t.test('npm run bench:storm -- --quick: one run for a storm of waiting duplicate
     t.same(result.statuses, { 200: 30 }, `${result.mode}: 30 duplicates, each answered`)
     t.ok(result.commitToAnswer.p99 >= 0, `${result.mode}: every waiter answered after the original committed (p99 ${result.commitToAnswer.p99} ms)`)
   }
-  // Lease mode: each waiter's claim, then its claim once woken, whatever the wait (a duplicate that a
-  // loaded machine delays past the original's commit needs only the first). Atomic mode: a claim in
-  // a transaction (5 statements), one more 100 ms later on another instance than the original's,
-  // then one read once woken: 9.3 on average over the three instances.
+  // At most a claim when a waiter comes and one once it is woken (lease mode), or a claim in a
+  // transaction (BEGIN, the claim, ROLLBACK) and one read (atomic mode); the duplicates of one
+  // instance share theirs (lib/core/shared-calls.ts), so a storm costs less than one each.
   const [lease, atomic] = storm.results
-  t.ok(lease !== undefined && lease.statementsPerWaiter >= 1 && lease.statementsPerWaiter <= 2, `lease mode: ${lease?.statementsPerWaiter} statements per waiter, at most 2`)
-  t.ok(atomic !== undefined && atomic.statementsPerWaiter <= 10, `atomic mode: ${atomic?.statementsPerWaiter} statements per waiter`)
+  t.ok(lease !== undefined && lease.statementsPerWaiter > 0 && lease.statementsPerWaiter <= 2, `lease mode: ${lease?.statementsPerWaiter} statements per waiter, at most 2`)
+  t.ok(atomic !== undefined && atomic.statementsPerWaiter > 0 && atomic.statementsPerWaiter <= 4, `atomic mode: ${atomic?.statementsPerWaiter} statements per waiter, at most 4`)
 })

@@ -8,7 +8,7 @@ import type { Network } from './network.js'
  * The store the simulated instances share: the store contract (lib/core/store.ts) over a plain map, in
  * both modes. Lease mode: one short operation per call. Atomic mode: a claim opens a transaction
  * that holds the key's lock until the plugin commits (complete) or rolls back (release); a claim
- * of a locked key waits for the lock up to its `waitMs`, then reports the key in progress. The
+ * of a locked key reports it in progress at once, without waiting (the driver's tried lock). The
  * handler's writes (effects) go through the transaction and exist only once it commits.
  *
  * Every call goes through the simulated network (network.ts): it reaches the store after a delay,

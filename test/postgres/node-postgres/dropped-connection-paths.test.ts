@@ -82,8 +82,8 @@ function suite (url: string): void {
         WHEN (NEW.key LIKE 'complete-%') EXECUTE FUNCTION ${q('wait_for_gate')}('1')`)
       await admin.unsafe(`CREATE CONSTRAINT TRIGGER commit_waits AFTER INSERT ON ${q('payments')} DEFERRABLE INITIALLY DEFERRED
         FOR EACH ROW WHEN (NEW.key LIKE 'commit-%') EXECUTE FUNCTION ${q('wait_for_gate')}('2')`)
-      // A claim of a key listed here sleeps inside its INSERT: a statement in flight that no lock
-      // bound (the claim's lock_timeout) cuts short, for as long as the test needs to end its connection.
+      // A claim of a key listed here sleeps inside its INSERT: a statement in flight, for as long as
+      // the test needs to end its connection.
       await admin.unsafe(`CREATE TABLE ${q('slow_claims')} (key text PRIMARY KEY)`)
       await admin.unsafe(`CREATE FUNCTION ${q('sleep_in_claim')}() RETURNS trigger LANGUAGE plpgsql AS $$
         BEGIN IF EXISTS (SELECT 1 FROM ${q('slow_claims')} WHERE key = NEW.key) THEN PERFORM pg_sleep(30); END IF; RETURN NEW; END $$`)
