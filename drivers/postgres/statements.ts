@@ -93,7 +93,8 @@ export type AtomicClaimArgs = Omit<ClaimArgs, 'leaseMs' | 'ttlMs'>
  */
 export type AtomicClaimResult =
   | { readonly acquired: true }
-  | { readonly acquired: false, readonly busy: boolean, readonly record: ExistingRecord | null }
+  | { readonly acquired: false, readonly busy: false, readonly record: ExistingRecord }
+  | { readonly acquired: false, readonly busy: true, readonly record: ExistingRecord | null }
   | null
 
 /**
@@ -160,21 +161,21 @@ function buildTexts (table: string) {
   // DO NOTHING, never DO UPDATE: on Citus its SET/WHERE allow immutable expressions only,
   // and a DO UPDATE that returns the row would make every duplicate write a row version
   // (benchmarks/postgres-claim-forms.ts: fresh claims 0.88-1.01x, duplicates 0.85-0.93x, 205-211 WAL bytes each).
-  /** The claim: `insert` takes the key (or does nothing on conflict), and the record in the way is read. */
-  const claimWith = (insert: string): string => `
-    WITH claimed AS (${insert}
-      RETURNING true AS acquired
-    )
+  /** What a claim answers, after its CTE `claimed` (the insert's `RETURNING true AS acquired`): that row, or the record in the way. */
+  const claimedOrInTheWay = `
     SELECT acquired, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL FROM claimed
     UNION ALL
     SELECT false, ${RECORD_COLUMNS}
     FROM ${table}
-    WHERE scope = $1 AND key = $2 AND NOT EXISTS (SELECT FROM claimed)
-  `
-  const claimText = claimWith(`
+    WHERE scope = $1 AND key = $2 AND NOT EXISTS (SELECT FROM claimed)`
+  const claimText = `
+    WITH claimed AS (
       INSERT INTO ${table} (scope, key, fingerprint, fingerprint_algorithm, state, owner_token, lease_expires_at, expires_at)
       VALUES ($1, $2, $3::bytea, $4, 'in_progress', $5::uuid, ${later(6)}, greatest(${later(7)}, ${later(6)}))
-      ON CONFLICT (scope, key) DO NOTHING`)
+      ON CONFLICT (scope, key) DO NOTHING
+      RETURNING true AS acquired
+    )${claimedOrInTheWay}
+  `
 
   // A record past its ttl is dead: any request reclaims it as a fresh one (takeover: false). The
   // token seen by the claim statement pins the row version, so two reclaimers cannot both win.
@@ -281,12 +282,7 @@ function buildTexts (table: string) {
       SELECT $1, $2, $3::bytea, $4, 'in_progress', $5::uuid, now(), 'infinity', true FROM attempt WHERE got
       ON CONFLICT (scope, key) DO NOTHING
       RETURNING true AS acquired
-    )
-    SELECT acquired, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL FROM claimed
-    UNION ALL
-    SELECT false, ${RECORD_COLUMNS}
-    FROM ${table}
-    WHERE scope = $1 AND key = $2 AND NOT EXISTS (SELECT FROM claimed)
+    )${claimedOrInTheWay}
     UNION ALL
     SELECT NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL FROM attempt WHERE NOT got
   `
@@ -428,7 +424,8 @@ export function createAtomicStatements (db: Queryable, table: string): AtomicSta
         if (row[0] === null) busy = true
         else record = recordOf(row.slice(1) as unknown as RecordColumns)
       }
-      return busy || record !== null ? { acquired: false, busy, record } : null
+      if (busy) return { acquired: false, busy, record }
+      return record === null ? null : { acquired: false, busy, record }
     },
     reclaim: (args, seenToken) => changed(texts.atomicReclaimText, [...values(args), seenToken]),
     takeover: (args, seenToken) => changed(texts.atomicTakeoverText, [...values(args), seenToken]),

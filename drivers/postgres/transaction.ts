@@ -3,7 +3,7 @@ import { RolledBackError, TransactionEndedError } from '../../lib/core/errors.js
 import { fingerprintsEqual } from '../../lib/core/fingerprint.js'
 import type { ClaimRequest, ClaimResult, Lease, StoredResponse } from '../../lib/core/store.js'
 import type { DatabaseClient, TransactionConnection } from './client.js'
-import { createAtomicStatements, type AtomicStatements } from './statements.js'
+import { createAtomicStatements, type AtomicStatements, type ExistingRecord } from './statements.js'
 
 /**
  * Atomic mode: the claim, the handler's writes (through `request.idempotency.sql`) and the recorded
@@ -213,30 +213,38 @@ async function claimWithin (
     const result = await statements.claim(args)
     if (result === null) continue
     if (result.acquired) return { outcome: 'acquired', lease, takeover: false }
-    const record = result.record
-    if (result.busy && (record === null || record.expired)) {
+    if (result.busy) {
+      // Another transaction holds the key's lock. The record in the way, when it can be read, says
+      // what there is (a completed one replays); it is never reclaimed or taken over under the lock.
+      const seen = result.record
+      if (seen !== null && !seen.expired) return answerFrom(seen)
       // An uncommitted claim of the key (or a reclaim of its expired record): its fingerprint is
       // invisible until it commits, so this one cannot tell 409 from 422; a retry after the original
       // commits gets the precise answer. A claim that committed while this statement ran may also
       // read so: answered as if this request had come first, which it did, in part.
       return { outcome: 'in_progress', fingerprint: request.fingerprint, leaseRemainingMs: 0, unseen: true }
     }
-    if (record === null) continue
+    const record = result.record
     if (record.expired) {
       live()
       if (await statements.reclaim(args, record.token)) return { outcome: 'acquired', lease, takeover: false }
       continue
     }
-    if (!result.busy && record.state === 'in_progress' && record.lapsed && fingerprintsEqual(record.fingerprint, request.fingerprint)) {
+    if (record.state === 'in_progress' && record.lapsed && fingerprintsEqual(record.fingerprint, request.fingerprint)) {
       live()
       if (await statements.takeover(args, record.token)) return { outcome: 'acquired', lease, takeover: true }
       continue
     }
-    return record.state === 'completed' && record.response !== null
-      ? { outcome: 'completed', fingerprint: record.fingerprint, response: record.response, expiresInMs: record.expiresInMs }
-      : { outcome: 'in_progress', fingerprint: record.fingerprint, leaseRemainingMs: record.leaseRemainingMs }
+    return answerFrom(record)
   }
   throw new Error(`fastify-idempotency: the postgres store could not settle a claim in ${MAX_CLAIM_ROUNDS} rounds`)
+}
+
+/** The answer a record in the way gives: its replay when it is completed, otherwise in progress. */
+function answerFrom (record: ExistingRecord): ClaimResult {
+  return record.state === 'completed' && record.response !== null
+    ? { outcome: 'completed', fingerprint: record.fingerprint, response: record.response, expiresInMs: record.expiresInMs }
+    : { outcome: 'in_progress', fingerprint: record.fingerprint, leaseRemainingMs: record.leaseRemainingMs }
 }
 
 /** What `complete` and `release` reject with once the transaction ended under the handler: the hold's outcome. */

@@ -1,6 +1,7 @@
 import Fastify, { type FastifyInstance } from 'fastify'
 import t, { type Test } from 'tap'
 import idempotency, { memoryStore, type ClaimRequest, type ClaimResult, type IdempotencyStore } from '../../lib/index.js'
+import { gatedHandler } from '../helpers/gated-handler.js'
 import { sleep } from '../helpers/sleep.js'
 
 /**
@@ -43,16 +44,10 @@ async function world (t: Test, options: { wait: number, storeTimeout?: number, c
   const app = Fastify()
   t.teardown(() => app.close())
   await app.register(idempotency, { store: options.store?.(delayed) ?? delayed, scope: () => 'acct', wait: options.wait, ...(options.storeTimeout === undefined ? {} : { storeTimeout: options.storeTimeout }) })
-  let runs = 0
-  let finish: (fail?: boolean) => void = () => {}
-  app.post('/pay', async () => {
-    const run = ++runs
-    const failed = await new Promise<boolean>((resolve) => { finish = (fail = false) => { resolve(fail) } })
-    if (failed) throw new Error('declined')
-    return { run }
-  })
+  const gated = gatedHandler()
+  app.post('/pay', gated.handler)
   await app.ready()
-  return { app, runs: () => runs, claims: () => claims, finish: (fail) => { finish(fail) } }
+  return { app, runs: gated.runs, claims: () => claims, finish: gated.finish }
 }
 
 const pay = (app: FastifyInstance, body: object = { amount: 1 }) =>

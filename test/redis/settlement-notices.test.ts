@@ -4,6 +4,7 @@ import { Cluster, Redis } from 'ioredis'
 import t, { type Test } from 'tap'
 import idempotency, { memoryStore, settlementDigest, type ClaimRequest, type IdempotencyStore } from '../../lib/index.js'
 import { redisPrefilter, type RedisPrefilter } from '../../drivers/redis/index.js'
+import { gatedHandler } from '../helpers/gated-handler.js'
 import { clusterNodes } from '../helpers/redis-nodes.js'
 import { sleep } from '../helpers/sleep.js'
 
@@ -47,8 +48,7 @@ function suite (url: string): void {
     const store = memoryStore({ purgeInterval: 0 })
     t.teardown(() => store.close())
     const prefix = `notices-${randomUUID()}`
-    let runs = 0
-    let finish: (fail?: boolean) => void = () => {}
+    const gated = gatedHandler()
     const instances: Instance[] = []
     for (let i = 0; i < 2; i++) {
       const prefilter = redisPrefilter({ client: redis, prefix, timeout: 1_000 })
@@ -62,12 +62,7 @@ function suite (url: string): void {
       const app = Fastify()
       t.teardown(() => app.close())
       await app.register(idempotency, { store: counted, prefilter, scope: () => 'acct', lease: 60_000, wait: 10_000 })
-      app.post('/pay', async () => {
-        const run = ++runs
-        const failed = await new Promise<boolean>((resolve) => { finish = (fail = false) => { resolve(fail) } })
-        if (failed) throw new Error('declined')
-        return { run }
-      })
+      app.post('/pay', gated.handler)
       await app.ready()
       const instance: Instance = { app, prefilter, claims: 0 }
       instances.push(instance)
@@ -75,14 +70,14 @@ function suite (url: string): void {
     // A first request on each instance opens its watch (at the first claim of a route with wait).
     for (const [i, instance] of instances.entries()) {
       const warm = pay(instance, `warm-up-${i}`)
-      await until(() => runs > 0)
-      finish()
+      await until(() => gated.runs() > i)
+      gated.finish()
       await warm
-      runs = 0
       instance.claims = 0
     }
     await sleep(100)
-    return { instances: instances as [Instance, Instance], runs: () => runs, finish: (fail) => { finish(fail) } }
+    const warmUps = gated.runs()
+    return { instances: instances as [Instance, Instance], runs: () => gated.runs() - warmUps, finish: gated.finish }
   }
 
   const pay = async (instance: Instance, key = 'k'): Promise<{ status: number, replayed: boolean, at: number }> => {
