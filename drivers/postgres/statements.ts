@@ -270,16 +270,22 @@ function buildTexts (table: string) {
   // insert can then meet only a committed record, or a lease-mode statement's for a moment. Not
   // got, the third branch says so (acquired NULL), beside the record in the way if one is visible:
   // the lock's holder is an uncommitted claim of the key, or a duplicate that took it for a moment.
-  // The same CTE sets the mark a guarded handle's probe reads (client.ts, TRANSACTION_MARK), so it
-  // costs no statement of its own. On Citus the CTE runs on the coordinator, as a step of its own
-  // (the lock and the mark are the coordinator session's, where the probe reads the mark), and the
+  // The lock is tried in a query of the record's own row (a count, one row whatever is there), so
+  // that on Citus it is taken on the worker that holds the row, inside the worker's part of the
+  // transaction: a transaction that a dead coordinator left prepared there keeps it, and a claim
+  // finds the key taken instead of waiting for the prepared row until Citus recovers it. The mark a
+  // guarded handle's probe reads (client.ts, TRANSACTION_MARK) is set in a CTE of its own, which
+  // Citus runs on the coordinator, where the probe reads it: it costs no statement. On Citus the
   // INSERT … SELECT is planned through the coordinator: still one round trip for the client.
   const atomicClaimText = `
-    WITH attempt AS MATERIALIZED (
-      SELECT pg_try_advisory_xact_lock($6::int8) AS got, set_config('${MARK_SETTING}', 'open', true) AS marked
+    WITH marked AS MATERIALIZED (
+      SELECT set_config('${MARK_SETTING}', 'open', true) AS mark
+    ), attempt AS MATERIALIZED (
+      SELECT pg_try_advisory_xact_lock($6::int8) AS got
+      FROM (SELECT count(*) FROM ${table} WHERE scope = $1 AND key = $2) AS the_row
     ), claimed AS (
       INSERT INTO ${table} (scope, key, fingerprint, fingerprint_algorithm, state, owner_token, lease_expires_at, expires_at, indeterminate)
-      SELECT $1, $2, $3::bytea, $4, 'in_progress', $5::uuid, now(), 'infinity', true FROM attempt WHERE got
+      SELECT $1, $2, $3::bytea, $4, 'in_progress', $5::uuid, now(), 'infinity', true FROM attempt, marked WHERE got
       ON CONFLICT (scope, key) DO NOTHING
       RETURNING true AS acquired
     )${claimedOrInTheWay}
