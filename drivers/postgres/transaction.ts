@@ -74,6 +74,8 @@ export function createTransactions (db: DatabaseClient, table: string): Transact
     const token = randomUUID()
     /** The body returned with a recorded response: the client sends COMMIT from here on. */
     let commitSent = false
+    /** What the claim found when it did not acquire the key: resolved once its transaction has ended. */
+    let answered: ClaimResult | null = null
     /** The transaction ended under the handle: what `decide` rejects with, whatever the client reports. */
     let endedEarly: TransactionEndedError | null = null
     let decide!: (decision: Decision) => void
@@ -108,7 +110,10 @@ export function createTransactions (db: DatabaseClient, table: string): Transact
       const statements = createAtomicStatements(tx, table)
       const outcome = await claimWithin(tx, statements, request, token)
       if (outcome.outcome !== 'acquired') {
-        resolveClaim(outcome)
+        // Answered once the transaction has ended: it holds the key's lock until then, and a claim
+        // the caller makes next (the same request again, with the record's spelling of its
+        // fingerprint, or once woken) would otherwise find the key taken by this very attempt.
+        answered = outcome
         throw ROLLBACK
       }
       const guard = tx.guarded()
@@ -154,7 +159,9 @@ export function createTransactions (db: DatabaseClient, table: string): Transact
         // the handler's COMMIT made durable before the connection closed.
         if (transaction.holdsKey) return
         open.delete(token)
-        if (err !== ROLLBACK) rejectClaim(err)
+        // The answer stands however the transaction ended: a rolled-back claim changed nothing.
+        if (answered !== null) resolveClaim(answered)
+        else if (err !== ROLLBACK) rejectClaim(err)
       }
     )
   }
