@@ -73,4 +73,26 @@ function suite (url: string): void {
     t.same(statements.map((query) => query.toLowerCase().split(' ')[0]), ['begin', 'with', 'rollback'], `BEGIN, the claim, ROLLBACK: ${JSON.stringify(statements)}`)
     t.equal(await other.release(holding.lease), true)
   })
+
+  t.test('a claim that did not acquire answers once its transaction has ended: the caller\'s next claim never meets its lock', async (t) => {
+    const store = postgresStore({ sql, schema, table: 'records', purgeInterval: 0 })
+    const recorded = { algorithm: 'test', digest: Buffer.alloc(32, 7) }
+    // The same request's fingerprint as the client now spells it: another algorithm, so the plugin
+    // claims once more with the record's spelling (a key rotation), at once.
+    const respelled = { algorithm: 'test-next', digest: Buffer.alloc(32, 8) }
+    const keys = Array.from({ length: 20 }, (_, i) => `rotated-${i}`)
+    for (const key of keys) {
+      const owner = await store.claim({ scope: 'test', key, fingerprint: recorded, leaseMs: 1, ttlMs: 60_000 })
+      if (owner.outcome !== 'acquired') return t.fail(`${key}: not acquired`)
+    }
+    await new Promise((resolve) => setTimeout(resolve, 20)) // every lease lapsed
+    for (const key of keys) {
+      const first = await store.claimInTransaction({ scope: 'test', key, fingerprint: respelled, leaseMs: 1_000, ttlMs: 60_000 })
+      t.match(first, { outcome: 'in_progress', fingerprint: recorded }, `${key}: the record's fingerprint, not a takeover`)
+      t.equal(store.openTransactions, 0, `${key}: answered with its transaction ended`)
+      const second = await store.claimInTransaction({ scope: 'test', key, fingerprint: recorded, leaseMs: 1_000, ttlMs: 60_000 })
+      t.match(second, { outcome: 'acquired', takeover: true }, `${key}: the next claim takes the lapsed record over`)
+      if (second.outcome === 'acquired') t.equal(await store.release(second.lease), true)
+    }
+  })
 }
