@@ -6,7 +6,7 @@ import type { SetupFigures } from './summary-file.js'
 
 export interface Latency { samples: number, p50: number, p99: number, p99_9: number }
 
-export interface PerRequest { pgStatements: number | null, pgRoundTrips: number | null, redisCommands: number | null, redisRoundTrips: number | null }
+export interface PerRequest { pgStatements: number | null, pgRoundTrips: number | null, redisCommands: number | null, redisRoundTrips: number | null, serverCpuUs: number | null }
 
 /** One setup's measurement in one round of one scenario: `sliceRates`, req/s of each slice in turn; `problems`, wrong answers (any fails the run). */
 export interface Run { scenario: string, setup: string, round: number, sliceRates: number[], requestsPerSecond: number, latencyUs: Latency, perRequest: PerRequest, problems: string[] }
@@ -66,7 +66,8 @@ export function summarise (runs: readonly Run[], setups: readonly string[]): Rec
       pgStatements: counted((p) => p.pgStatements),
       pgRoundTrips: counted((p) => p.pgRoundTrips),
       redisCommands: counted((p) => p.redisCommands),
-      redisRoundTrips: counted((p) => p.redisRoundTrips)
+      redisRoundTrips: counted((p) => p.redisRoundTrips),
+      serverCpuUs: counted((p) => p.serverCpuUs)
     }
     return [setup, figures]
   }))
@@ -76,13 +77,14 @@ const fixed = (value: number | null | undefined): string => value === null || va
 
 /** A scenario's figures as a Markdown table. */
 export function table (title: string, setups: Record<string, SetupFigures>, floors: Record<string, string>): string {
-  const head = ['setup', 'req/s', '× bare', '× floor', 'p50 µs', 'p99 µs', 'p99.9 µs', 'PG stmts/req', 'PG RT/req', 'Redis cmds/req', 'Redis RT/req']
+  const head = ['setup', 'req/s', '× bare', '× floor', 'p50 µs', 'p99 µs', 'p99.9 µs', 'server CPU µs/req', 'PG stmts/req', 'PG RT/req', 'Redis cmds/req', 'Redis RT/req']
   const rows = Object.entries(setups).map(([setup, f]) => [
     setup,
     f.requestsPerSecond.toLocaleString('en-US'),
     setup === 'bare' ? '1.00' : fixed(f.ratioTo.bare),
     floors[setup] === undefined ? '' : `${fixed(f.ratioTo[floors[setup]])} ${floors[setup]}`,
     String(f.p50Us), String(f.p99Us), String(f.p99_9Us),
+    f.serverCpuUs === null || f.serverCpuUs === undefined ? '—' : String(Math.round(f.serverCpuUs)),
     fixed(f.pgStatements), fixed(f.pgRoundTrips), fixed(f.redisCommands), fixed(f.redisRoundTrips)
   ])
   const widths = head.map((h, i) => Math.max(h.length, ...rows.map((cells) => cells[i]!.length)))

@@ -81,7 +81,7 @@ async function post (url: string, key: string): Promise<number> {
 }
 
 interface Wire { statements: number, roundTrips: number }
-interface Stats { executions: number, requests: number, pg: Wire | null, redis: Wire | null, latencyUs: Latency }
+interface Stats { executions: number, requests: number, pg: Wire | null, redis: Wire | null, latencyUs: Latency, cpuUs: number }
 
 async function stats (url: string): Promise<Stats> {
   return await (await fetch(`${url}/stats`)).json() as Stats
@@ -100,12 +100,21 @@ async function settled (url: string): Promise<Stats> {
   return last
 }
 
-/** What reached PostgreSQL and Redis between two /stats, per request answered in between. */
+/**
+ * What reached PostgreSQL and Redis between two /stats, and the server's CPU time, per request
+ * answered in between.
+ */
 function perRequest (before: Stats, after: Stats): PerRequest {
   const requests = after.requests - before.requests
   const per = (a: Wire | null, b: Wire | null, key: keyof Wire): number | null =>
     a === null || b === null || requests === 0 ? null : Math.round((b[key] - a[key]) / requests * 1000) / 1000
-  return { pgStatements: per(before.pg, after.pg, 'statements'), pgRoundTrips: per(before.pg, after.pg, 'roundTrips'), redisCommands: per(before.redis, after.redis, 'statements'), redisRoundTrips: per(before.redis, after.redis, 'roundTrips') }
+  return {
+    pgStatements: per(before.pg, after.pg, 'statements'),
+    pgRoundTrips: per(before.pg, after.pg, 'roundTrips'),
+    redisCommands: per(before.redis, after.redis, 'statements'),
+    redisRoundTrips: per(before.redis, after.redis, 'roundTrips'),
+    serverCpuUs: requests === 0 ? null : Math.round((after.cpuUs - before.cpuUs) / requests)
+  }
 }
 
 /** A load of `seconds`, or of exactly `amount` requests, each with the next key. */
@@ -157,6 +166,8 @@ async function finish (m: Measuring, round: number): Promise<Run> {
   if (errors > 0 || wrong) problems.push(`${errors} errors, statuses ${JSON.stringify(statuses)}`)
   if (after.latencyUs.samples < requests) problems.push(`${after.latencyUs.samples} latency samples for ${requests} requests`)
   let counts = perRequest(m.before, after)
+  // CPU time under the load; the sequential probe below counts statements exactly, not CPU.
+  const { serverCpuUs } = counts
   let probed: number | null = null
   // The probe: requests one at a time, for the exact counts of the setups with a backend.
   if (scenario.probeKey !== undefined && (after.pg !== null || after.redis !== null)) {
@@ -168,7 +179,7 @@ async function finish (m: Measuring, round: number): Promise<Run> {
     for (let i = 0; i < PROBE.warmup; i++) await send(i)
     const start = await settled(instance.url) // a response goes out before the Redis copy after it
     for (let i = PROBE.warmup; i < PROBE.warmup + PROBE.requests; i++) await send(i)
-    counts = perRequest(start, await settled(instance.url))
+    counts = { ...perRequest(start, await settled(instance.url)), serverCpuUs }
     probed = counts.pgStatements
   }
   problems.push(...scenario.check({

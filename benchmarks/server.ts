@@ -5,8 +5,9 @@
  * Environment: SETUP (one of SETUPS below); for PostgreSQL DATABASE_URL, BENCH_SCHEMA (run.ts's
  * tables) and BENCH_POOL_MAX; for Redis REDIS_URL; BENCH_PAYLOAD, the response's size in bytes.
  * Every setup answers POST /pay with the same schema and payment (route.ts). GET /stats returns the
- * handler's executions, the responses sent, what reached PostgreSQL and Redis (counting.ts) and the
- * server's own latency of POST /pay in µs (onRequest to onResponse, since POST /stats/reset).
+ * handler's executions, the responses sent, what reached PostgreSQL and Redis (counting.ts), the
+ * server's own latency of POST /pay in µs (onRequest to onResponse, since POST /stats/reset) and
+ * the CPU time the server process has used.
  */
 import { createHash, randomUUID } from 'node:crypto'
 import { createHistogram } from 'node:perf_hooks'
@@ -46,6 +47,12 @@ app.addHook('onResponse', (request, _reply, done) => {
   }
   done()
 })
+
+/** CPU time of this process so far (user and system), in µs: what the server spends, apart from its backends. */
+function serverCpuUs (): number {
+  const { user, system } = process.cpuUsage()
+  return user + system
+}
 
 function env (name: string): string {
   const value = process.env[name]
@@ -273,7 +280,8 @@ app.get('/stats', async () => ({
   requests,
   pg: pgCounts,
   redis: redisCounts,
-  latencyUs: { samples: latency.count, p50: latency.percentile(50), p99: latency.percentile(99), p99_9: latency.percentile(99.9) }
+  latencyUs: { samples: latency.count, p50: latency.percentile(50), p99: latency.percentile(99), p99_9: latency.percentile(99.9) },
+  cpuUs: serverCpuUs()
 }))
 app.post('/stats/reset', { config: { idempotency: false } }, async () => { latency.reset(); return { ok: true } })
 await app.listen({ host: '127.0.0.1', port: 0 })

@@ -12,7 +12,8 @@ import { fileURLToPath } from 'node:url'
  * One setup of one `npm run bench` scenario: req/s (median over the rounds); its ratio to each other
  * setup (medians of slice pairs: figures.ts); the server's own latency of POST /pay in µs (medians),
  * and its p99 over bare's in the same round; what reached PostgreSQL and Redis per request, from
- * the sequential probe (exact) where the scenario has one, else over the load (the storm).
+ * the sequential probe (exact) where the scenario has one, else over the load (the storm); and the
+ * server process's CPU time per request under the load.
  */
 export interface SetupFigures {
   requestsPerSecond: number
@@ -25,6 +26,8 @@ export interface SetupFigures {
   pgRoundTrips: number | null
   redisCommands: number | null
   redisRoundTrips: number | null
+  /** CPU time of the server process per request under the load, in µs (absent in figures from before it was measured). */
+  serverCpuUs?: number | null
 }
 
 /** `payload`: the response's size in bytes; `floors`: the floor each setup is held to. */
