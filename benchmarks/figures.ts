@@ -84,7 +84,7 @@ export function table (title: string, setups: Record<string, SetupFigures>, floo
     setup === 'bare' ? '1.00' : fixed(f.ratioTo.bare),
     floors[setup] === undefined ? '' : `${fixed(f.ratioTo[floors[setup]])} ${floors[setup]}`,
     String(f.p50Us), String(f.p99Us), String(f.p99_9Us),
-    f.serverCpuUs === null || f.serverCpuUs === undefined ? '—' : String(Math.round(f.serverCpuUs)),
+    f.serverCpuUs === null ? '—' : String(Math.round(f.serverCpuUs)),
     fixed(f.pgStatements), fixed(f.pgRoundTrips), fixed(f.redisCommands), fixed(f.redisRoundTrips)
   ])
   const widths = head.map((h, i) => Math.max(h.length, ...rows.map((cells) => cells[i]!.length)))

@@ -26,8 +26,8 @@ export interface SetupFigures {
   pgRoundTrips: number | null
   redisCommands: number | null
   redisRoundTrips: number | null
-  /** CPU time of the server process per request under the load, in µs (absent in figures from before it was measured). */
-  serverCpuUs?: number | null
+  /** CPU time of the server process per request under the load, in µs. */
+  serverCpuUs: number | null
 }
 
 /** `payload`: the response's size in bytes; `floors`: the floor each setup is held to. */
