@@ -57,7 +57,7 @@ t.test('a claim answered with less than a renewal interval of its lease left is 
 
 t.test('a claim answered with less than two renewal intervals left renews at once: one failed renewal after it still keeps the key', async (t) => {
   // A longer lease than the file's, so that a loaded machine's stalled event loop does not decide
-  // the outcome: the renewal after the failed one has a fifth of the lease to land.
+  // the outcome: the renewal after the failed one has a sixth of the lease (400 ms) to land.
   const lease = 2400
   const interval = lease / 3
   const inner = memoryStore({ purgeInterval: 0 })
