@@ -89,7 +89,8 @@ export type AtomicClaimArgs = Omit<ClaimArgs, 'leaseMs' | 'ttlMs'>
  * What the atomic claim statement saw. `busy`: another transaction holds the key's lock (an
  * uncommitted claim of the key, or a duplicate's for a moment), so nothing was inserted; `record`
  * is the one in the way when it is visible. Null, as for the lease-mode claim: nothing inserted,
- * nothing in the snapshot, the lock got (the record in the way was committed after the snapshot).
+ * nothing in the snapshot, the lock got (the record in the way was committed after the snapshot,
+ * or the lock's holder ended between the statement's two tries).
  */
 export type AtomicClaimResult =
   | { readonly acquired: true }
@@ -161,20 +162,18 @@ function buildTexts (table: string) {
   // DO NOTHING, never DO UPDATE: on Citus its SET/WHERE allow immutable expressions only,
   // and a DO UPDATE that returns the row would make every duplicate write a row version
   // (benchmarks/postgres-claim-forms.ts: fresh claims 0.88-1.01x, duplicates 0.85-0.93x, 205-211 WAL bytes each).
-  /** What a claim answers, after its CTE `claimed` (the insert's `RETURNING true AS acquired`): that row, or the record in the way. */
-  const claimedOrInTheWay = `
-    SELECT acquired, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL FROM claimed
-    UNION ALL
-    SELECT false, ${RECORD_COLUMNS}
-    FROM ${table}
-    WHERE scope = $1 AND key = $2 AND NOT EXISTS (SELECT FROM claimed)`
   const claimText = `
     WITH claimed AS (
       INSERT INTO ${table} (scope, key, fingerprint, fingerprint_algorithm, state, owner_token, lease_expires_at, expires_at)
       VALUES ($1, $2, $3::bytea, $4, 'in_progress', $5::uuid, ${later(6)}, greatest(${later(7)}, ${later(6)}))
       ON CONFLICT (scope, key) DO NOTHING
       RETURNING true AS acquired
-    )${claimedOrInTheWay}
+    )
+    SELECT acquired, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL FROM claimed
+    UNION ALL
+    SELECT false, ${RECORD_COLUMNS}
+    FROM ${table}
+    WHERE scope = $1 AND key = $2 AND NOT EXISTS (SELECT FROM claimed)
   `
 
   // A record past its ttl is dead: any request reclaims it as a fresh one (takeover: false). The
@@ -264,33 +263,46 @@ function buildTexts (table: string) {
 
   // The claim never waits for another transaction: a duplicate of a claim not yet committed would
   // otherwise block on its row until that transaction ends, holding a pooled connection all the
-  // while. So it first tries the key's advisory lock (pg_try_advisory_xact_lock, $6: a hash of
-  // scope and key, keyLock below), which every atomic claim of the key takes and keeps until its
-  // transaction ends (a PREPARE TRANSACTION keeps it too), and inserts only when it got it: the
-  // insert can then meet only a committed record, or a lease-mode statement's for a moment. Not
-  // got, the third branch says so (acquired NULL), beside the record in the way if one is visible:
-  // the lock's holder is an uncommitted claim of the key, or a duplicate that took it for a moment.
-  // The lock is tried in a query of the record's own row (a count, one row whatever is there), so
-  // that on Citus it is taken on the worker that holds the row, inside the worker's part of the
-  // transaction: a transaction that a dead coordinator left prepared there keeps it, and a claim
-  // finds the key taken instead of waiting for the prepared row until Citus recovers it. The mark a
-  // guarded handle's probe reads (client.ts, TRANSACTION_MARK) is set in a CTE of its own, which
-  // Citus runs on the coordinator, where the probe reads it: it costs no statement. On Citus the
-  // INSERT … SELECT is planned through the coordinator: still one round trip for the client.
+  // while. So it inserts only once it has the key's advisory lock (pg_try_advisory_xact_lock, $6:
+  // a hash of scope and key, keyLock below), which every atomic claim of the key takes and keeps
+  // until its transaction ends (a PREPARE TRANSACTION keeps it too): the insert can then meet only a
+  // committed record, or a lease-mode statement's for a moment. The lock is tried in the insert's
+  // own WHERE, over a query of the record's row (a count: one row whatever is there), so that on
+  // Citus the whole SELECT goes to the worker that holds the row and the lock is taken there,
+  // inside the worker's part of the transaction: a transaction that a dead coordinator left
+  // prepared there keeps it, and a claim finds the key taken instead of waiting for the prepared
+  // row until Citus recovers it. Nothing inserted, `attempt` tries the lock again, after the insert
+  // (a CTE that Citus runs after `claimed`, on the same worker), and the third branch says when it
+  // was not got (acquired NULL), beside the record in the way if one is visible: the lock's holder
+  // is an uncommitted claim of the key, or a duplicate that took it for a moment. The lock is
+  // re-entrant, so the second try is true whenever the first one was; got only at the second try
+  // (its holder ended in between), the answer is the record in the way, or none (null: the caller
+  // claims again, holding the lock). The mark a guarded handle's probe reads (client.ts,
+  // TRANSACTION_MARK) is set by the first branch's filter, which Citus evaluates on the
+  // coordinator, where the probe reads it: it costs no statement. On Citus every step reaches
+  // that one worker only: Citus commits a transaction with an INSERT … SELECT planned through the
+  // coordinator in two phases, and this way prepares it on one worker, not on every worker.
   const atomicClaimText = `
-    WITH marked AS MATERIALIZED (
-      SELECT set_config('${MARK_SETTING}', 'open', true) AS mark
+    WITH claimed AS (
+      INSERT INTO ${table} (scope, key, fingerprint, fingerprint_algorithm, state, owner_token, lease_expires_at, expires_at, indeterminate)
+      SELECT $1, $2, $3::bytea, $4, 'in_progress', $5::uuid, now(), 'infinity', true
+      FROM (SELECT count(*) FROM ${table} WHERE scope = $1 AND key = $2) AS the_row
+      WHERE pg_try_advisory_xact_lock($6::int8)
+      ON CONFLICT (scope, key) DO NOTHING
+      RETURNING true AS acquired
     ), attempt AS MATERIALIZED (
       SELECT pg_try_advisory_xact_lock($6::int8) AS got
       FROM (SELECT count(*) FROM ${table} WHERE scope = $1 AND key = $2) AS the_row
-    ), claimed AS (
-      INSERT INTO ${table} (scope, key, fingerprint, fingerprint_algorithm, state, owner_token, lease_expires_at, expires_at, indeterminate)
-      SELECT $1, $2, $3::bytea, $4, 'in_progress', $5::uuid, now(), 'infinity', true FROM attempt, marked WHERE got
-      ON CONFLICT (scope, key) DO NOTHING
-      RETURNING true AS acquired
-    )${claimedOrInTheWay}
+    )
+    SELECT acquired, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL FROM claimed
+    WHERE (SELECT set_config('${MARK_SETTING}', 'open', true)) IS NOT NULL
     UNION ALL
-    SELECT NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL FROM attempt WHERE NOT got
+    SELECT false, ${RECORD_COLUMNS}
+    FROM ${table}
+    WHERE scope = $1 AND key = $2 AND NOT EXISTS (SELECT FROM claimed)
+    UNION ALL
+    SELECT NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL FROM attempt
+    WHERE NOT got AND NOT EXISTS (SELECT FROM claimed)
   `
 
   const atomicReclaimText = `
