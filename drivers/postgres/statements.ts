@@ -1,5 +1,5 @@
 import { createHash } from 'node:crypto'
-import type { Fingerprint, Lease, RecordId, StoredResponse } from '../../lib/core/store.js'
+import type { ClaimResult, Fingerprint, Lease, RecordId, StoredResponse } from '../../lib/core/store.js'
 import { MARK_SETTING, type Queryable, type Value } from './client.js'
 
 /*
@@ -38,6 +38,13 @@ export interface ExistingRecord {
   /** Milliseconds until expires_at (0 once expired), so a pre-filter's copy never outlives the record. */
   readonly expiresInMs: number
   readonly response: StoredResponse | null
+}
+
+/** The answer a record in the way gives a claim, in either mode: its replay when it is completed, otherwise in progress. */
+export function answerFrom (record: ExistingRecord): ClaimResult {
+  return record.state === 'completed' && record.response !== null
+    ? { outcome: 'completed', fingerprint: record.fingerprint, response: record.response, expiresInMs: record.expiresInMs }
+    : { outcome: 'in_progress', fingerprint: record.fingerprint, leaseRemainingMs: record.leaseRemainingMs }
 }
 
 /** `acquired`: the insert created the record; `existing`: it did not; null: it did not and the row is not in the snapshot. */

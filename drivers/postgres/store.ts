@@ -12,7 +12,7 @@ import { createRecovery } from './recovery.js'
 import { migrateOn } from './schema.js'
 import { checkSchema } from './schema-check.js'
 import { announceSettlement, settlementChannel, watchChannel } from './settlements.js'
-import { createStatements, type ExistingRecord } from './statements.js'
+import { answerFrom, createStatements } from './statements.js'
 import { createTransactions } from './transaction.js'
 
 /** An {@link IdempotencyStore} on PostgreSQL that can also create its own table. */
@@ -210,19 +210,13 @@ export function postgresStore (options: PostgresStoreOptions): PostgresStore {
     if (record.state === 'in_progress' && record.lapsed && fingerprintsEqual(record.fingerprint, request.fingerprint)) {
       return await statements.takeover(args, record.token) ? acquired(request, args.token, true) : null
     }
-    return answer(record)
+    return answerFrom(record)
   }
 
   function acquired (request: ClaimRequest, token: string, takeover: boolean): ClaimResult {
     const lease = { scope: request.scope, key: request.key, token }
     if (request.announce === true) announced.add(lease)
     return { outcome: 'acquired', lease, takeover }
-  }
-
-  function answer (record: ExistingRecord): ClaimResult {
-    return record.state === 'completed' && record.response !== null
-      ? { outcome: 'completed', fingerprint: record.fingerprint, response: record.response, expiresInMs: record.expiresInMs }
-      : { outcome: 'in_progress', fingerprint: record.fingerprint, leaseRemainingMs: record.leaseRemainingMs }
   }
 
   return {

@@ -3,7 +3,7 @@ import { RolledBackError, TransactionEndedError } from '../../lib/core/errors.js
 import { fingerprintsEqual } from '../../lib/core/fingerprint.js'
 import type { ClaimRequest, ClaimResult, Lease, StoredResponse } from '../../lib/core/store.js'
 import type { DatabaseClient, TransactionConnection } from './client.js'
-import { createAtomicStatements, type AtomicStatements, type ExistingRecord } from './statements.js'
+import { answerFrom, createAtomicStatements, type AtomicStatements } from './statements.js'
 
 /**
  * Atomic mode: the claim, the handler's writes (through `request.idempotency.sql`) and the recorded
@@ -245,13 +245,6 @@ async function claimWithin (
     return answerFrom(record)
   }
   throw new Error(`fastify-idempotency: the postgres store could not settle a claim in ${MAX_CLAIM_ROUNDS} rounds`)
-}
-
-/** The answer a record in the way gives: its replay when it is completed, otherwise in progress. */
-function answerFrom (record: ExistingRecord): ClaimResult {
-  return record.state === 'completed' && record.response !== null
-    ? { outcome: 'completed', fingerprint: record.fingerprint, response: record.response, expiresInMs: record.expiresInMs }
-    : { outcome: 'in_progress', fingerprint: record.fingerprint, leaseRemainingMs: record.leaseRemainingMs }
 }
 
 /** What `complete` and `release` reject with once the transaction ended under the handler: the hold's outcome. */
